@@ -1,0 +1,58 @@
+#pragma once
+/// @file comm_record.h
+/// A record of every collective a Communicator submits: what the caller asked for and what really went on the
+/// wire. Tests assert structure with it (how many collectives, of what size, in what order); the shardlab tool
+/// computes bytes per step and overlap from it.
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace shardlab {
+
+/// One collective as seen by shardlab.
+///
+/// `op` is the operation the caller asked for; `wire_op`, `wire_dtype` and `bytes` describe what was really sent
+/// (they differ when a fallback was used: e.g. reduce_scatter on Gloo 1.13 runs as an all_reduce of the whole
+/// input, bf16 is sent as f32).
+struct CollectiveRecord {
+  std::string op;               ///< requested: all_reduce, broadcast, all_gather, reduce_scatter
+  std::string wire_op;          ///< what the backend executed (equal to op unless a fallback was used)
+  c10::ScalarType dtype;        ///< dtype of the caller's tensor
+  c10::ScalarType wire_dtype;   ///< dtype that went on the wire
+  int64_t numel = 0;            ///< elements of the caller's input tensor
+  int64_t bytes = 0;            ///< bytes of the tensor handed to the backend by this rank (wire payload)
+  std::string group;            ///< name of the Communicator (process group) it ran on
+  std::string reduce;           ///< "sum", "avg" or "" for non-reductions
+  int64_t start_ns = 0;         ///< steady_clock time of submission
+  int64_t end_ns = 0;           ///< steady_clock time of completion (0 while pending)
+};
+
+/// Thread-safe append-only log of collectives. Shared by all Communicators of one rank.
+class CommRecorder {
+ public:
+  /// Appends `r` and returns its index, to be passed to `finish`.
+  size_t begin(CollectiveRecord r);
+  /// Sets the end time of record `index` to now (first call wins; later calls are ignored).
+  void finish(size_t index);
+  /// Returns a copy of all records, in submission order.
+  std::vector<CollectiveRecord> snapshot() const;
+  /// Returns the records submitted at or after index `from`.
+  std::vector<CollectiveRecord> since(size_t from) const;
+  /// Number of records so far (use as a marker for `since`).
+  size_t size() const;
+  /// Drops every record.
+  void clear();
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<CollectiveRecord> records_;
+};
+
+/// Nanoseconds on the steady clock, the time base of CollectiveRecord.
+int64_t now_ns();
+
+}  // namespace shardlab

@@ -1,0 +1,111 @@
+#pragma once
+/// @file communicator.h
+/// The one small collective API every stage uses, on top of a real c10d process group.
+///
+/// Vocabulary: a *Communicator* is one rank's handle on one process group. Every call is asynchronous and returns
+/// a Handle; nothing is complete until `Handle::wait()` returns. Arguments are validated on the calling thread
+/// before anything is submitted, so a mistake is a C++ exception at the call, never an abort on Gloo's thread.
+///
+/// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
+/// reduce-scatter) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
+/// really sent. See Note [Fallbacks] in communicator.cpp.
+
+#include "shardlab/common/comm_record.h"
+#include "shardlab/common/compat.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace shardlab {
+
+/// Reduction applied by all_reduce and reduce_scatter.
+enum class ReduceOp { kSum, kAvg };
+
+/// Which c10d backend a Communicator runs on.
+enum class BackendKind { kGloo, kNccl };
+
+/// An asynchronous collective in flight. Move-only; waiting twice is a no-op.
+class Handle {
+ public:
+  /// An already-complete handle (for world size 1 or empty tensors).
+  Handle() = default;
+  /// Wraps c10d work plus a `finish` step (divide, copy back, cast) run by `wait()` on the waiting thread.
+  Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> finish, std::string what,
+         std::chrono::milliseconds timeout);
+  Handle(Handle&&) noexcept = default;
+  Handle& operator=(Handle&&) noexcept = default;
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() = default;
+
+  /// Blocks until the collective is complete and its result is in the caller's output tensor.
+  /// @throws std::runtime_error naming the rank, group and op if the backend failed or timed out.
+  void wait();
+  /// True once `wait()` has returned (or for a default-constructed handle).
+  bool done() const { return done_; }
+
+ private:
+  c10::intrusive_ptr<compat::Work> work_;
+  std::function<void()> finish_;
+  std::string what_;
+  std::chrono::milliseconds timeout_{0};
+  bool done_ = true;
+};
+
+/// One rank's view of one process group.
+class Communicator {
+ public:
+  /// Wraps an existing c10d backend.
+  /// @param name  label written into every CollectiveRecord (e.g. "world", "shard0").
+  /// @param recorder shared log; a new one is made when null.
+  Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,
+               std::chrono::milliseconds timeout, std::shared_ptr<CommRecorder> recorder = nullptr);
+
+  /// This rank's index in the group, in [0, size()).
+  int rank() const { return rank_; }
+  /// Number of ranks in the group.
+  int size() const { return size_; }
+  /// The group's label.
+  const std::string& name() const { return name_; }
+  /// The backend this group runs on.
+  BackendKind kind() const { return kind_; }
+  /// Timeout applied to every collective of this group.
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// The log every collective of this rank is written to.
+  CommRecorder& recorder() { return *recorder_; }
+  /// Shared ownership of the log (to hand to another Communicator of the same rank).
+  std::shared_ptr<CommRecorder> recorder_ptr() const { return recorder_; }
+
+  /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
+  Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
+  /// In-place broadcast of `t` from rank `root`.
+  Handle broadcast(const at::Tensor& t, int root = 0);
+  /// Gathers every rank's `input` into `output`, rank r's at [r*n, (r+1)*n), n = input.numel().
+  /// @pre output is contiguous, same dtype/device, and output.numel() == size() * input.numel().
+  Handle all_gather(const at::Tensor& output, const at::Tensor& input);
+  /// Reduces `input` over the group and leaves chunk `rank()` of the result in `output`.
+  /// @pre input.numel() == size() * output.numel(); same dtype and device.
+  Handle reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op = ReduceOp::kSum);
+  /// Blocks until every rank of the group has called it (recorded as "barrier").
+  void barrier();
+
+ private:
+  void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
+  size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
+  Handle submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
+                const char* op);
+
+  c10::intrusive_ptr<compat::Backend> backend_;
+  BackendKind kind_;
+  std::string name_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<CommRecorder> recorder_;
+  int rank_;
+  int size_;
+};
+
+}  // namespace shardlab

@@ -1,0 +1,67 @@
+#pragma once
+/// @file compat.h
+/// The one place where libtorch versions differ. Everything else in shardlab talks to c10d and autograd through
+/// the aliases and functions below, so porting to another libtorch line means editing this file and compat.cpp only.
+///
+/// Differences handled here:
+///  - 1.13: a c10d backend *is* a `c10d::ProcessGroup`; 2.x: backends derive from `c10d::Backend`.
+///  - The signature of autograd's `FunctionPostHook`.
+///  - Whether the CUDA/NCCL backend is compiled in (`SHARDLAB_HAS_NCCL`).
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace shardlab::compat {
+
+#if TORCH_VERSION_MAJOR >= 2
+/// The c10d class that concrete backends (Gloo, NCCL) derive from in this libtorch line.
+using Backend = c10d::Backend;
+#else
+/// The c10d class that concrete backends (Gloo, NCCL) derive from in this libtorch line.
+using Backend = c10d::ProcessGroup;
+#endif
+
+/// A pending c10d collective.
+using Work = c10d::Work;
+
+/// True when this build can create NCCL process groups (a CUDA libtorch with c10d NCCL).
+bool has_nccl();
+
+/// Creates a Gloo backend for `rank` of `size` that rendezvous through `store`.
+/// @param hostname the address Gloo binds to ("127.0.0.1" for one machine; empty = this host's default device).
+/// @param timeout applied to every collective of the group.
+c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                      std::chrono::milliseconds timeout, const std::string& hostname);
+
+/// Creates an NCCL backend. Throws std::runtime_error when `has_nccl()` is false.
+c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                      std::chrono::milliseconds timeout);
+
+/// Calls `fn` every time autograd has accumulated a gradient into `param.grad()` (after accumulation, so the
+/// accumulated value over micro-batches is visible). The hook lives as long as the returned node: a tensor holds
+/// only a weak reference to its accumulator, so the caller must keep the result alive.
+/// @pre `param` is a leaf that requires grad.
+std::shared_ptr<torch::autograd::Node> add_post_accumulate_hook(const at::Tensor& param, std::function<void()> fn);
+
+/// Queues `fn` to run once when the backward pass currently executing finishes (after every gradient hook).
+/// @pre called from inside a backward pass (e.g. from a post-accumulate hook).
+void queue_end_of_backward(std::function<void()> fn);
+
+}  // namespace shardlab::compat

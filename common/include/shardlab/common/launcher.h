@@ -1,0 +1,53 @@
+#pragma once
+/// @file launcher.h
+/// Starts N local processes the way torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+/// MASTER_PORT in their environment), forwards their output line by line tagged with the rank, and fails fast:
+/// when one rank exits non-zero or the whole job runs past its timeout, the others are killed and the result
+/// names the rank. Used by the `shardlab-run` command and by `shardlab train`.
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardlab {
+
+/// What to launch and how long to wait.
+struct LaunchOptions {
+  int nproc = 1;                                   ///< number of ranks (processes), >= 1
+  std::string master_addr = "127.0.0.1";           ///< MASTER_ADDR given to every rank
+  int master_port = 0;                             ///< MASTER_PORT; 0 = pick a free port
+  std::chrono::milliseconds timeout{600'000};      ///< wall-clock limit for the whole job
+  std::vector<std::pair<std::string, std::string>> extra_env;  ///< more variables for every rank
+};
+
+/// How a launch ended.
+struct LaunchResult {
+  int exit_code = 0;        ///< 0 when every rank exited 0; else the failing rank's code: 128 + signal if it was
+                            ///< killed, 127 if the program cannot be executed, 124 on timeout
+  int failed_rank = -1;     ///< first rank that failed or hung, -1 when all succeeded
+  std::string message;      ///< human-readable reason, e.g. "rank 2 exited with code 1"
+};
+
+/// Receives each line a rank writes to stdout or stderr (without the newline).
+using LineSink = std::function<void(int rank, const std::string& line)>;
+
+/// The default sink: writes "[rank R] line" to stdout.
+void print_prefixed(int rank, const std::string& line);
+
+/// Returns a TCP port on 127.0.0.1 that was free a moment ago.
+int pick_free_port();
+
+/// Runs `argv` (argv[0] looked up on PATH) as options.nproc processes and waits for all of them. Blocks; calls
+/// `sink` on the calling thread, stdout and stderr of a rank merged, a partial last line flushed at EOF.
+/// Each rank runs in its own process group with stdin from /dev/null; when a rank exits, anything it left running
+/// in its group is killed. When a rank fails or the timeout passes, the other ranks get SIGTERM, then SIGKILL
+/// 3 s later; launch() returns once every rank has been reaped. An exception from `sink` kills and reaps all ranks
+/// before it propagates.
+/// @throws std::invalid_argument when nproc < 1, argv is empty, master_port is outside 0..65535 or timeout <= 0.
+/// @throws std::system_error when a pipe or a process cannot be created.
+LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>& argv,
+                    const LineSink& sink = print_prefixed);
+
+}  // namespace shardlab

@@ -1,0 +1,46 @@
+#pragma once
+/// @file process_group.h
+/// Making Communicators: from the environment torchrun sets (processes over a TCPStore), or from an explicit
+/// store (threads in one process over one shared HashStore; see thread_ranks.h).
+
+#include "shardlab/common/communicator.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace shardlab {
+
+/// How to build a process group.
+struct GroupOptions {
+  BackendKind kind = BackendKind::kGloo;          ///< Gloo (CPU) or NCCL (CUDA, when compiled in)
+  std::chrono::milliseconds timeout{60'000};      ///< per collective and for the rendezvous
+  std::string hostname = "127.0.0.1";             ///< address Gloo binds to; "" = this host's default device
+};
+
+/// The variables torchrun sets for each process.
+struct RankEnv {
+  int rank = 0;              ///< RANK: global rank
+  int world_size = 1;        ///< WORLD_SIZE
+  int local_rank = 0;        ///< LOCAL_RANK: rank on this machine (selects the GPU)
+  std::string master_addr;   ///< MASTER_ADDR: host of rank 0's TCPStore
+  int master_port = 0;       ///< MASTER_PORT
+
+  /// Reads and validates RANK, WORLD_SIZE, LOCAL_RANK (defaults to RANK), MASTER_ADDR, MASTER_PORT.
+  /// @throws std::invalid_argument naming the variable, what was expected and what it held.
+  static RankEnv from_environment();
+};
+
+/// Creates a Communicator for `rank` of `size` that rendezvous through `store` under the key prefix `name`.
+/// Several groups may share one store as long as their names differ.
+std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                const std::string& name, const GroupOptions& options = {},
+                                                std::shared_ptr<CommRecorder> recorder = nullptr);
+
+/// Creates the world Communicator of a process launched by torchrun or shardlab-run: a TCPStore served by rank 0
+/// at MASTER_ADDR:MASTER_PORT. When the group is NCCL, `hostname` is ignored and LOCAL_RANK picks the device.
+std::shared_ptr<Communicator> communicator_from_env(const GroupOptions& options = {});
+
+}  // namespace shardlab

@@ -1,0 +1,51 @@
+#pragma once
+/// @file reference.h
+/// The ground truth: a single-device trainer that runs the same model, data and optimizer on the whole global
+/// batch. Every stage's tests compare N ranks against it.
+
+#include "shardlab/common/model.h"
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardlab {
+
+/// What to train and how; shared by the reference and every strategy.
+struct TrainConfig {
+  std::string model = "mlp";       ///< see model_names()
+  std::string optimizer = "sgd";   ///< "sgd" (momentum 0.9) or "adamw"
+  double lr = 0.05;                ///< learning rate
+  int steps = 5;                   ///< optimizer steps
+  int64_t global_batch = 8;        ///< examples per step over all ranks
+  uint64_t seed = 1;               ///< model and data seed
+  int micro_batches = 1;           ///< gradient-accumulation micro-batches per step (per rank)
+};
+
+/// Builds optimizer `name` ("sgd" or "adamw") over `params`.
+/// @throws std::invalid_argument naming the accepted optimizers.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
+                                                        double lr);
+
+/// Parameters of `model` that require grad, in registration order.
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model);
+
+/// Result of a reference run.
+struct ReferenceResult {
+  std::vector<double> losses;        ///< loss of each step (over the global batch)
+  std::vector<std::string> names;    ///< parameter names, registration order
+  std::vector<at::Tensor> params;    ///< final parameter values (all, trainable or not)
+};
+
+/// Trains `config.model` on one device for `config.steps` steps on the whole global batch of each step.
+ReferenceResult train_reference(const TrainConfig& config);
+
+/// Largest |a[i] - b[i]| over all elements of all tensors. @throws std::invalid_argument on count/shape mismatch.
+double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b);
+
+/// True when every element satisfies |a - b| <= atol + rtol * |b|, over all tensors.
+bool all_close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, double rtol, double atol);
+
+}  // namespace shardlab

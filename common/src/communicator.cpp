@@ -1,0 +1,257 @@
+#include "shardlab/common/communicator.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+// Note [Fallbacks]
+// Gloo 1.13 has no ReduceOp::AVG, no bfloat16, no flat (tensor-in, tensor-out) all-gather and no reduce-scatter.
+// The Communicator keeps one API over every backend and falls back like this:
+//  - AVG           → SUM on the wire, then the waiting thread divides by size() (floating dtypes only).
+//  - bfloat16      → the tensor is cast to float32 (exact), communicated, and cast back on wait(); the record shows
+//                    wire_dtype float32 and twice the bytes.
+//  - all_gather    → Gloo's list all-gather, writing straight into views of the flat output.
+//  - reduce_scatter→ all-reduce of a copy of the whole input, then the waiting thread copies this rank's chunk out;
+//                    the record shows wire_op all_reduce and the bytes of the whole input.
+// Everything is validated on the calling thread first: an error raised on Gloo's worker thread can terminate the
+// process instead of reaching wait().
+
+namespace shardlab {
+namespace {
+
+bool is_floating(c10::ScalarType t) { return c10::isFloatingType(t); }
+
+bool gloo_supports(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat:
+    case c10::kDouble:
+    case c10::kHalf:
+    case c10::kLong:
+    case c10::kInt:
+    case c10::kChar:
+    case c10::kByte:
+      return true;
+    default:
+      return false;
+  }
+}
+
+const char* reduce_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"; }
+
+}  // namespace
+
+Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> finish, std::string what,
+               std::chrono::milliseconds timeout)
+    : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)), timeout_(timeout), done_(false) {}
+
+void Handle::wait() {
+  if (done_) return;
+  try {
+    if (!work_->wait(timeout_)) throw std::runtime_error("the backend reported failure");
+  } catch (const std::exception& e) {
+    done_ = true;
+    throw std::runtime_error(what_ + " failed or timed out after " + std::to_string(timeout_.count()) +
+                             " ms: " + e.what());
+  }
+  if (finish_) finish_();
+  done_ = true;
+  finish_ = nullptr;
+  work_.reset();
+}
+
+Communicator::Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,
+                           std::chrono::milliseconds timeout, std::shared_ptr<CommRecorder> recorder)
+    : backend_(std::move(backend)),
+      kind_(kind),
+      name_(std::move(name)),
+      timeout_(timeout),
+      recorder_(recorder ? std::move(recorder) : std::make_shared<CommRecorder>()),
+      rank_(backend_->getRank()),
+      size_(backend_->getSize()) {}
+
+void Communicator::check_tensor(const at::Tensor& t, const char* what, const char* op) const {
+  auto fail = [&](const std::string& msg) {
+    std::ostringstream s;
+    s << op << " on group '" << name_ << "' (rank " << rank_ << "): " << what << ' ' << msg;
+    throw std::invalid_argument(s.str());
+  };
+  if (!t.defined()) fail("is undefined; expected a tensor");
+  if (t.layout() != c10::kStrided) fail("must be a dense (strided) tensor");
+  if (!t.is_contiguous()) fail("must be contiguous; got sizes " + c10::str(t.sizes()) + " strides " +
+                               c10::str(t.strides()));
+  if (kind_ == BackendKind::kNccl && !t.is_cuda()) fail("must be a CUDA tensor for NCCL; got " + t.device().str());
+  if (kind_ == BackendKind::kGloo && !(t.is_cpu() || t.is_cuda()))
+    fail("must be on CPU or CUDA for Gloo; got " + t.device().str());
+  const auto dt = t.scalar_type();
+  if (kind_ == BackendKind::kGloo && !gloo_supports(dt) && dt != c10::kBFloat16)
+    fail(std::string("has dtype ") + c10::toString(dt) +
+         "; expected one of float, double, half, bfloat16, long, int, char, byte");
+}
+
+size_t Communicator::record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire,
+                            ReduceOp* red) {
+  CollectiveRecord r;
+  r.op = op;
+  r.wire_op = wire_op;
+  r.dtype = t.scalar_type();
+  r.wire_dtype = wire.scalar_type();
+  r.numel = t.numel();
+  r.bytes = static_cast<int64_t>(wire.numel() * wire.element_size());
+  r.group = name_;
+  r.reduce = red ? reduce_name(*red) : "";
+  r.start_ns = now_ns();
+  return recorder_->begin(std::move(r));
+}
+
+Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
+                            const char* op) {
+  // Completion time comes from the backend's future (set on its worker thread), so the record shows when the
+  // collective really ended, not when someone waited for it.
+  std::shared_ptr<CommRecorder> rec = recorder_;
+  try {
+    work->getFuture()->addCallback([rec, record_index](c10::ivalue::Future&) { rec->finish(record_index); });
+  } catch (const std::exception&) {
+    auto inner = std::move(finish);
+    finish = [rec, record_index, inner = std::move(inner)] {
+      rec->finish(record_index);
+      if (inner) inner();
+    };
+  }
+  std::ostringstream what;
+  what << op << " on group '" << name_ << "' (rank " << rank_ << " of " << size_ << ")";
+  return Handle(std::move(work), std::move(finish), what.str(), timeout_);
+}
+
+Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
+  check_tensor(t, "tensor", "all_reduce");
+  const bool bf16_fallback = kind_ == BackendKind::kGloo && t.scalar_type() == c10::kBFloat16;
+  const bool native_avg = kind_ == BackendKind::kNccl;
+  if (op == ReduceOp::kAvg && !is_floating(t.scalar_type()))
+    throw std::invalid_argument(std::string("all_reduce: avg needs a floating dtype; got ") +
+                                c10::toString(t.scalar_type()));
+  at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = (op == ReduceOp::kAvg && native_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  const size_t idx = record("all_reduce", "all_reduce", t, wire, &op);
+  std::vector<at::Tensor> tensors{wire};
+  auto work = backend_->allreduce(tensors, opts);
+  const bool divide = op == ReduceOp::kAvg && !native_avg;
+  std::function<void()> finish;
+  if (divide || bf16_fallback) {
+    finish = [t, wire, divide, n = size_] {
+      if (divide) wire.div_(n);
+      if (!wire.is_same(t)) t.copy_(wire);
+    };
+  }
+  return submit(std::move(work), idx, std::move(finish), "all_reduce");
+}
+
+Handle Communicator::broadcast(const at::Tensor& t, int root) {
+  check_tensor(t, "tensor", "broadcast");
+  if (root < 0 || root >= size_)
+    throw std::invalid_argument("broadcast: root must be in [0, " + std::to_string(size_) + "); got " +
+                                std::to_string(root));
+  const bool bf16_fallback = kind_ == BackendKind::kGloo && t.scalar_type() == c10::kBFloat16;
+  at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout_;
+  const size_t idx = record("broadcast", "broadcast", t, wire, nullptr);
+  std::vector<at::Tensor> tensors{wire};
+  auto work = backend_->broadcast(tensors, opts);
+  std::function<void()> finish;
+  if (bf16_fallback) finish = [t, wire] { t.copy_(wire); };
+  return submit(std::move(work), idx, std::move(finish), "broadcast");
+}
+
+Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
+  check_tensor(output, "output", "all_gather");
+  check_tensor(input, "input", "all_gather");
+  if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
+    throw std::invalid_argument(std::string("all_gather: output and input must share dtype and device; got ") +
+                                c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
+                                c10::toString(input.scalar_type()) + "/" + input.device().str());
+  if (output.numel() != size_ * input.numel())
+    throw std::invalid_argument("all_gather: output must have world_size * input.numel() = " +
+                                std::to_string(size_ * input.numel()) + " elements; got " +
+                                std::to_string(output.numel()));
+  const bool bf16_fallback = kind_ == BackendKind::kGloo && input.scalar_type() == c10::kBFloat16;
+  at::Tensor wire_in = bf16_fallback ? input.to(c10::kFloat) : input;
+  at::Tensor wire_out = bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat))
+                                      : output.view({-1});
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+#ifdef SHARDLAB_HAS_NCCL
+  if (kind_ == BackendKind::kNccl) {
+    const size_t idx = record("all_gather", "all_gather", input, wire_in, nullptr);
+    auto work = backend_->_allgather_base(wire_out, wire_in, opts);
+    return submit(std::move(work), idx, nullptr, "all_gather");
+  }
+#endif
+  std::vector<at::Tensor> chunks;
+  chunks.reserve(size_);
+  at::Tensor rows = wire_out.view({size_, -1});
+  for (int r = 0; r < size_; ++r) chunks.push_back(rows[r].view(wire_in.sizes()));
+  std::vector<std::vector<at::Tensor>> outputs{chunks};
+  std::vector<at::Tensor> inputs{wire_in.contiguous()};
+  const size_t idx = record("all_gather", "all_gather(list)", input, wire_in, nullptr);
+  auto work = backend_->allgather(outputs, inputs, opts);
+  std::function<void()> finish;
+  if (bf16_fallback) finish = [output, wire_out] { output.view({-1}).copy_(wire_out); };
+  return submit(std::move(work), idx, std::move(finish), "all_gather");
+}
+
+Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  check_tensor(output, "output", "reduce_scatter");
+  check_tensor(input, "input", "reduce_scatter");
+  if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
+    throw std::invalid_argument(std::string("reduce_scatter: output and input must share dtype and device; got ") +
+                                c10::toString(output.scalar_type()) + " and " + c10::toString(input.scalar_type()));
+  if (input.numel() != size_ * output.numel())
+    throw std::invalid_argument("reduce_scatter: input must have world_size * output.numel() = " +
+                                std::to_string(size_ * output.numel()) + " elements; got " +
+                                std::to_string(input.numel()));
+  if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
+    throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
+                                c10::toString(input.scalar_type()));
+#ifdef SHARDLAB_HAS_NCCL
+  if (kind_ == BackendKind::kNccl) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    opts.timeout = timeout_;
+    const size_t idx = record("reduce_scatter", "reduce_scatter", input, input, &op);
+    at::Tensor out = output, in = input;
+    auto work = backend_->_reduce_scatter_base(out, in, opts);
+    return submit(std::move(work), idx, nullptr, "reduce_scatter");
+  }
+#endif
+  // See Note [Fallbacks]: all-reduce a private copy of the whole input, keep this rank's chunk.
+  at::Tensor wire = input.scalar_type() == c10::kBFloat16 ? input.to(c10::kFloat) : input.clone();
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.timeout = timeout_;
+  const size_t idx = record("reduce_scatter", "all_reduce", input, wire, &op);
+  std::vector<at::Tensor> tensors{wire};
+  auto work = backend_->allreduce(tensors, opts);
+  auto finish = [output, wire, op, r = rank_, n = size_] {
+    at::Tensor mine = wire.view({n, -1})[r];
+    if (op == ReduceOp::kAvg) mine.div_(n);
+    output.view({-1}).copy_(mine);
+  };
+  return submit(std::move(work), idx, std::move(finish), "reduce_scatter");
+}
+
+void Communicator::barrier() {
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout_;
+  at::Tensor none = at::empty({0});
+  const size_t idx = record("barrier", "barrier", none, none, nullptr);
+  submit(backend_->barrier(opts), idx, nullptr, "barrier").wait();
+}
+
+}  // namespace shardlab

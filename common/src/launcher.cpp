@@ -1,0 +1,329 @@
+/// @file launcher.cpp
+/// POSIX implementation of launch(): fork/exec one process per rank, one pipe per rank, a poll() loop.
+///
+/// Note [Rank process groups]
+/// Each rank runs in its own process group (pgid == its pid), so a signal sent to -pid also reaches whatever the
+/// rank started (`sh -c '... sleep 30'`). When a rank exits we look at it with waitid(WNOWAIT), which leaves it a
+/// zombie: while the zombie exists its pid cannot be reused, so SIGKILL to its group can only hit its own leftovers.
+/// Then we reap it. Being a background group, a rank that read the terminal would stop (SIGTTIN), so stdin is
+/// /dev/null. On Linux each rank also gets PR_SET_PDEATHSIG, so if the launcher itself dies (Ctrl-C reaches only
+/// the launcher's group) the ranks die too; what they started themselves may then outlive them, as nothing is left
+/// to signal their groups.
+///
+/// Note [Environment after fork]
+/// The launcher may be multi-threaded (libtorch), and after fork() the child may only call async-signal-safe
+/// functions: no setenv, no malloc. So every rank's environment is built in the parent and the child only points
+/// `environ` at it before execvp.
+
+#include "shardlab/common/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <system_error>
+
+extern char** environ;
+
+namespace shardlab {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kGracePeriod = std::chrono::seconds(3);      // SIGTERM -> SIGKILL
+constexpr auto kPollSlice = std::chrono::milliseconds(50);  // how often exits are checked while pipes are quiet
+
+[[noreturn]] void throw_errno(const std::string& what) {
+  throw std::system_error(errno, std::generic_category(), what);
+}
+
+/// One rank's process and the read end of its output pipe.
+struct RankProc {
+  pid_t pid = -1;
+  int fd = -1;           // read end, non-blocking; -1 once at EOF
+  bool running = false;  // forked and not yet reaped
+  std::string pending;   // bytes after the last newline
+};
+
+/// The environment of one rank: the launcher's own, with our variables replacing any of the same name.
+std::vector<std::string> rank_env(const std::vector<std::pair<std::string, std::string>>& vars) {
+  std::set<std::string> names;
+  for (const auto& kv : vars) names.insert(kv.first);
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (names.count(entry.substr(0, entry.find('='))) == 0) env.push_back(entry);
+  }
+  for (const auto& kv : vars) env.push_back(kv.first + "=" + kv.second);
+  return env;
+}
+
+std::vector<char*> c_strings(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+/// All ranks of one launch. The destructor SIGKILLs and reaps whatever still runs, so an exception (from fork or
+/// from the sink) leaves no orphans. See Note [Rank process groups].
+class Job {
+ public:
+  explicit Job(int nproc) : ranks_(nproc) {}
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+  ~Job() {
+    signal_running(SIGKILL);
+    for (auto& r : ranks_) {
+      if (r.running) waitpid(r.pid, nullptr, 0);
+      if (r.fd >= 0) close(r.fd);
+    }
+  }
+
+  bool any_running() const { return !running_ranks().empty(); }
+  void signal_running(int sig) {
+    for (const auto& r : ranks_) {
+      if (r.running) kill(-r.pid, sig);  // the whole group: see Note [Rank process groups]
+    }
+  }
+
+  /// Forks rank `rank` running argv with envp. See Note [Environment after fork].
+  void start(int rank, char* const* argv, char** envp, const std::string& exec_error_prefix) {
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) throw_errno("launch: pipe");
+    fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+    const int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    const pid_t launcher = getpid();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      setpgid(0, 0);
+#ifdef __linux__
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(127);  // the launcher died before prctl
+#endif
+      if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+      dup2(fds[1], STDOUT_FILENO);
+      dup2(fds[1], STDERR_FILENO);
+      environ = envp;
+      execvp(argv[0], argv);
+      const char* reason = strerror(errno);
+      (void)!write(STDERR_FILENO, exec_error_prefix.data(), exec_error_prefix.size());
+      (void)!write(STDERR_FILENO, reason, strlen(reason));
+      (void)!write(STDERR_FILENO, "\n", 1);
+      _exit(127);
+    }
+    const int fork_errno = errno;
+    close(fds[1]);
+    if (devnull >= 0) close(devnull);
+    if (pid < 0) {
+      close(fds[0]);
+      errno = fork_errno;
+      throw_errno("launch: fork for rank " + std::to_string(rank));
+    }
+    setpgid(pid, pid);  // also here, so kill(-pid) works before the child has run
+    ranks_[rank] = RankProc{pid, fds[0], true, {}};
+  }
+
+  /// Waits up to `wait` for output and forwards every complete line to the sink.
+  void pump(std::chrono::milliseconds wait, const LineSink& sink) {
+    std::vector<pollfd> fds;
+    std::vector<int> owner;
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      if (ranks_[r].fd >= 0) {
+        fds.push_back({ranks_[r].fd, POLLIN, 0});
+        owner.push_back(r);
+      }
+    }
+    if (fds.empty()) {
+      poll(nullptr, 0, static_cast<int>(wait.count()));
+      return;
+    }
+    if (poll(fds.data(), fds.size(), static_cast<int>(wait.count())) <= 0) return;  // timeout or EINTR
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) read_some(owner[i], sink);
+    }
+  }
+
+  /// Reads what is already in every pipe, flushes partial last lines and closes the pipes.
+  void drain(const LineSink& sink) {
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      while (ranks_[r].fd >= 0 && read_some(r, sink)) continue;
+      if (ranks_[r].fd >= 0) close_pipe(r, sink);
+    }
+  }
+
+  std::vector<int> running_ranks() const {
+    std::vector<int> out;
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+      if (ranks_[r].running) out.push_back(r);
+    }
+    return out;
+  }
+
+  /// If rank r has exited, kills its leftovers, reaps it and returns its wait status; else (or if it was already
+  /// reaped) returns -1.
+  int try_reap(int r) {
+    siginfo_t info{};
+    if (!ranks_[r].running) return -1;
+    if (waitid(P_PID, ranks_[r].pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) return -1;
+    kill(-ranks_[r].pid, SIGKILL);
+    int status = 0;
+    waitpid(ranks_[r].pid, &status, 0);
+    ranks_[r].running = false;
+    return status;
+  }
+
+ private:
+  /// One read(); returns true if bytes came (more may follow), false at EOF, EAGAIN or error.
+  bool read_some(int r, const LineSink& sink) {
+    char buf[65536];
+    const ssize_t n = read(ranks_[r].fd, buf, sizeof buf);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+    if (n <= 0) {
+      close_pipe(r, sink);
+      return false;
+    }
+    std::string& pending = ranks_[r].pending;
+    pending.append(buf, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = pending.find('\n', start)) != std::string::npos; start = nl + 1) {
+      sink(r, pending.substr(start, nl - start));
+    }
+    pending.erase(0, start);
+    return true;
+  }
+
+  void close_pipe(int r, const LineSink& sink) {
+    close(ranks_[r].fd);
+    ranks_[r].fd = -1;
+    if (!ranks_[r].pending.empty()) sink(r, ranks_[r].pending);
+    ranks_[r].pending.clear();
+  }
+
+  std::vector<RankProc> ranks_;
+};
+
+/// How long one poll() may wait: until `t`, but at least 1 ms (no spinning) and at most kPollSlice.
+std::chrono::milliseconds poll_wait(Clock::time_point t) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now());
+  return std::clamp<std::chrono::milliseconds>(left, std::chrono::milliseconds(1), kPollSlice);
+}
+
+/// "rank 2 exited with code 1" (exit code 1) or "rank 1 killed by signal 9" (exit code 128 + 9).
+LaunchResult exit_result(int rank, int status) {
+  const std::string who = "rank " + std::to_string(rank);
+  if (WIFSIGNALED(status)) {
+    return {128 + WTERMSIG(status), rank, who + " killed by signal " + std::to_string(WTERMSIG(status))};
+  }
+  return {WEXITSTATUS(status), rank, who + " exited with code " + std::to_string(WEXITSTATUS(status))};
+}
+
+/// "timeout after 0.5 s: ranks 0, 3 still running", naming the lowest of `hung` as the failed rank.
+LaunchResult timeout_result(std::chrono::milliseconds timeout, const std::vector<int>& hung) {
+  std::ostringstream msg;
+  msg << "timeout after " << static_cast<double>(timeout.count()) / 1000.0
+      << " s: " << (hung.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < hung.size(); ++i) msg << (i > 0 ? ", " : "") << hung[i];
+  msg << " still running";
+  return {124, hung.front(), msg.str()};
+}
+
+}  // namespace
+
+void print_prefixed(int rank, const std::string& line) { std::cout << "[rank " << rank << "] " << line << std::endl; }
+
+int pick_free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno("pick_free_port: socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    close(fd);
+    errno = err;
+    throw_errno("pick_free_port: bind 127.0.0.1:0");
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>& argv, const LineSink& sink) {
+  if (options.nproc < 1) {
+    throw std::invalid_argument("launch: expected nproc >= 1, got " + std::to_string(options.nproc));
+  }
+  if (argv.empty() || argv[0].empty()) throw std::invalid_argument("launch: expected a program in argv, got none");
+  if (options.master_port < 0 || options.master_port > 65535) {
+    throw std::invalid_argument("launch: expected master_port in 0..65535, got " + std::to_string(options.master_port));
+  }
+  if (options.timeout.count() <= 0) {
+    throw std::invalid_argument("launch: expected a positive timeout, got " + std::to_string(options.timeout.count()) +
+                                " ms");
+  }
+  const int port = options.master_port != 0 ? options.master_port : pick_free_port();
+  const std::string n = std::to_string(options.nproc);
+  const std::string exec_error_prefix = "shardlab-run: cannot execute " + argv[0] + ": ";
+  std::vector<std::string> args = argv;
+  std::vector<char*> c_args = c_strings(args);
+
+  Job job(options.nproc);
+  for (int r = 0; r < options.nproc; ++r) {
+    std::vector<std::pair<std::string, std::string>> vars = {{"RANK", std::to_string(r)},
+                                                             {"WORLD_SIZE", n},
+                                                             {"LOCAL_RANK", std::to_string(r)},
+                                                             {"LOCAL_WORLD_SIZE", n},
+                                                             {"GROUP_RANK", "0"},
+                                                             {"MASTER_ADDR", options.master_addr},
+                                                             {"MASTER_PORT", std::to_string(port)}};
+    vars.insert(vars.end(), options.extra_env.begin(), options.extra_env.end());
+    std::vector<std::string> env = rank_env(vars);
+    std::vector<char*> c_env = c_strings(env);
+    job.start(r, c_args.data(), c_env.data(), exec_error_prefix);
+  }
+
+  const auto deadline = Clock::now() + options.timeout;
+  LaunchResult result;
+  bool stopping = false;
+  Clock::time_point kill_at;
+  const auto stop = [&] {
+    stopping = true;
+    job.signal_running(SIGTERM);
+    kill_at = Clock::now() + kGracePeriod;
+  };
+  while (job.any_running()) {
+    job.pump(poll_wait(stopping ? kill_at : deadline), sink);
+    for (int r = 0; r < options.nproc; ++r) {
+      const int status = job.try_reap(r);
+      if (status > 0 && !stopping) {  // once stopping, later exits are casualties of stop(), not failures
+        result = exit_result(r, status);
+        stop();
+      }
+    }
+    if (!stopping && job.any_running() && Clock::now() >= deadline) {
+      result = timeout_result(options.timeout, job.running_ranks());
+      stop();
+    }
+    if (stopping && Clock::now() >= kill_at) job.signal_running(SIGKILL);
+  }
+  job.drain(sink);
+  return result;
+}
+
+}  // namespace shardlab

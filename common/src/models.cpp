@@ -1,0 +1,163 @@
+#include "shardlab/common/models.h"
+
+#include "shardlab/common/data.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace shardlab {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
+  return at::nll_loss(at::log_softmax(logits, -1), target);
+}
+
+}  // namespace
+
+Batch Batch::slice(int64_t start, int64_t length) const {
+  return Batch{input.narrow(0, start, length), target.narrow(0, start, length), step};
+}
+
+void init_parameters(torch::nn::Module& module, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  torch::NoGradGuard no_grad;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    at::Tensor p = item.value();
+    const std::string& name = item.key();
+    if (p.dim() >= 2) {
+      p.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(p.size(1))), gen);
+    } else if (ends_with(name, "bias")) {
+      p.zero_();
+    } else if (ends_with(name, "weight")) {  // LayerNorm gain
+      p.fill_(1.0);
+    } else {
+      p.normal_(0.0, 0.1, gen);
+    }
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (at::isFloatingType(item.value().scalar_type())) item.value().uniform_(0.5, 1.5, gen);
+  }
+}
+
+// ---- Mlp -------------------------------------------------------------------------------------------------------
+
+Mlp::Mlp(const std::vector<int64_t>& sizes, uint64_t seed) {
+  if (sizes.size() < 2) throw std::invalid_argument("Mlp: expected at least 2 layer sizes (input, classes)");
+  for (size_t i = 0; i + 1 < sizes.size(); ++i)
+    layers_.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(sizes[i], sizes[i + 1])));
+  init_parameters(*this, seed);
+}
+
+at::Tensor Mlp::forward(const at::Tensor& x) {
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    h = layers_[i]->forward(h);
+    if (i + 1 < layers_.size()) h = at::relu(h);
+  }
+  return h;
+}
+
+at::Tensor Mlp::loss(const Batch& batch) { return cross_entropy(forward(batch.input), batch.target); }
+
+// ---- TinyGpt ---------------------------------------------------------------------------------------------------
+
+GptBlock::GptBlock(const GptConfig& c) : heads_(c.heads) {
+  if (c.dim % c.heads != 0)
+    throw std::invalid_argument("GptConfig: dim (" + std::to_string(c.dim) + ") must divide by heads (" +
+                                std::to_string(c.heads) + ")");
+  ln1_ = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+  // No bias on q/k/v: a key bias shifts every score of a query equally, so softmax ignores it and its true
+  // gradient is exactly zero; Adam would turn the rounding noise of that zero into full-size steps.
+  qkv_ = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
+  proj_ = register_module("proj", torch::nn::Linear(c.dim, c.dim));
+  ln2_ = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+  fc_ = register_module("fc", torch::nn::Linear(c.dim, 4 * c.dim));
+  out_ = register_module("out", torch::nn::Linear(4 * c.dim, c.dim));
+}
+
+at::Tensor GptBlock::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads_;
+  auto qkv = qkv_->forward(ln1_->forward(x)).chunk(3, -1);
+  auto split = [&](const at::Tensor& t) { return t.reshape({B, T, heads_, hd}).transpose(1, 2); };
+  at::Tensor q = split(qkv[0]), k = split(qkv[1]), v = split(qkv[2]);
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  att = at::softmax(att.masked_fill(future, -INFINITY), -1);
+  at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, D});
+  at::Tensor h = x + proj_->forward(y);
+  return h + out_->forward(at::gelu(fc_->forward(ln2_->forward(h))));
+}
+
+TinyGpt::TinyGpt(const GptConfig& c, uint64_t seed) : config_(c) {
+  wte_ = register_module("wte", torch::nn::Embedding(c.vocab, c.dim));
+  wpe_ = register_module("wpe", torch::nn::Embedding(c.block, c.dim));
+  for (int64_t i = 0; i < c.layers; ++i)
+    blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<GptBlock>(c)));
+  ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+  init_parameters(*this, seed);
+}
+
+at::Tensor TinyGpt::forward(const at::Tensor& tokens) {
+  const int64_t T = tokens.size(1);
+  if (T > config_.block)
+    throw std::invalid_argument("TinyGpt: sequence length " + std::to_string(T) + " exceeds block " +
+                                std::to_string(config_.block));
+  at::Tensor pos = at::arange(T, tokens.options().dtype(at::kLong));
+  at::Tensor x = wte_->forward(tokens) + wpe_->forward(pos);
+  for (auto& b : blocks_) x = b->forward(x);
+  // The output layer is the token embedding itself (weight tying): one parameter, two uses.
+  return at::matmul(ln_f_->forward(x), wte_->weight.t());
+}
+
+at::Tensor TinyGpt::loss(const Batch& batch) {
+  at::Tensor logits = forward(batch.input);
+  return cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.target.reshape({-1}));
+}
+
+// ---- EdgeModel -------------------------------------------------------------------------------------------------
+
+EdgeModel::EdgeModel(uint64_t seed) {
+  trunk_ = register_module("trunk", torch::nn::Linear(8, 7));
+  head_ = register_module("head", torch::nn::Linear(7, 3));
+  frozen_ = register_parameter("frozen", at::zeros({3}), /*requires_grad=*/false);
+  sometimes_ = register_parameter("sometimes", at::zeros({3, 7}));
+  scale_ = register_buffer("scale", at::ones({7}));
+  init_parameters(*this, seed);
+}
+
+at::Tensor EdgeModel::forward(const at::Tensor& x, int64_t step) {
+  at::Tensor h = at::relu(trunk_->forward(x)) * scale_;
+  at::Tensor out = head_->forward(h) + frozen_;
+  if (step % 2 == 0) out = out + at::matmul(h, sometimes_.t());
+  return out;
+}
+
+at::Tensor EdgeModel::loss(const Batch& batch) { return cross_entropy(forward(batch.input, batch.step), batch.target); }
+
+// ---- factory ---------------------------------------------------------------------------------------------------
+
+const std::vector<std::string>& model_names() {
+  static const std::vector<std::string> names{"mlp", "tiny_gpt", "edge"};
+  return names;
+}
+
+std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
+  if (name == "mlp") return std::make_shared<Mlp>(std::vector<int64_t>{16, 64, 64, 4}, seed);
+  if (name == "tiny_gpt") {
+    GptConfig c;
+    c.vocab = static_cast<int64_t>(corpus_vocab().size());
+    return std::make_shared<TinyGpt>(c, seed);
+  }
+  if (name == "edge") return std::make_shared<EdgeModel>(seed);
+  throw std::invalid_argument("unknown model '" + name + "'; expected one of: mlp, tiny_gpt, edge");
+}
+
+}  // namespace shardlab

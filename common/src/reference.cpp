@@ -1,0 +1,72 @@
+#include "shardlab/common/reference.h"
+
+#include "shardlab/common/data.h"
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <stdexcept>
+
+namespace shardlab {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
+                                                        double lr) {
+  if (name == "sgd")
+    return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr).momentum(0.9));
+  if (name == "adamw")
+    return std::make_unique<torch::optim::AdamW>(std::move(params),
+                                                 torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  throw std::invalid_argument("unknown optimizer '" + name + "'; expected sgd or adamw");
+}
+
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : model.parameters(/*recurse=*/true))
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
+
+ReferenceResult train_reference(const TrainConfig& config) {
+  auto model = make_model(config.model, config.seed);
+  auto data = make_dataset(config.model, config.seed);
+  auto optimizer = make_optimizer(config.optimizer, trainable_parameters(*model), config.lr);
+  ReferenceResult result;
+  for (int step = 0; step < config.steps; ++step) {
+    optimizer->zero_grad();
+    at::Tensor loss = model->loss(data->global_batch(step, config.global_batch));
+    loss.backward();
+    optimizer->step();
+    result.losses.push_back(loss.item<double>());
+  }
+  for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+    result.names.push_back(item.key());
+    result.params.push_back(item.value().detach().clone());
+  }
+  return result;
+}
+
+double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size())
+    throw std::invalid_argument("max_abs_diff: " + std::to_string(a.size()) + " tensors vs " +
+                                std::to_string(b.size()));
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].sizes().equals(b[i].sizes()))
+      throw std::invalid_argument("max_abs_diff: tensor " + std::to_string(i) + " has shape " +
+                                  c10::str(a[i].sizes()) + " vs " + c10::str(b[i].sizes()));
+    if (a[i].numel() == 0) continue;
+    worst = std::max(worst, (a[i].detach().to(at::kDouble) - b[i].detach().to(at::kDouble)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+bool all_close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, double rtol, double atol) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!a[i].sizes().equals(b[i].sizes()) || !at::allclose(a[i].detach().cpu(), b[i].detach().cpu(), rtol, atol))
+      return false;
+  return true;
+}
+
+}  // namespace shardlab

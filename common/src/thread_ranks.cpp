@@ -1,0 +1,36 @@
+#include "shardlab/common/thread_ranks.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <exception>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace shardlab {
+
+void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, const GroupOptions& options) {
+  if (world_size < 1) throw std::invalid_argument("run_ranks: world_size must be >= 1; got " +
+                                                  std::to_string(world_size));
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(world_size);
+  std::vector<std::thread> threads;
+  threads.reserve(world_size);
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto comm = make_communicator(store, rank, world_size, "world", options);
+        fn(*comm);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      } catch (...) {
+        errors[rank] = "unknown exception";
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < world_size; ++rank)
+    if (!errors[rank].empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + errors[rank]);
+}
+
+}  // namespace shardlab

@@ -1,0 +1,97 @@
+#pragma once
+/// @file naive_ddp.h
+/// Stage 01 — naive data parallelism: one all-reduce per parameter gradient.
+///
+/// This is the naive version, kept because it is the clearest statement of what data parallelism must do; stage
+/// 02 (bucketed DDP) does the same with far fewer, larger collectives.
+///
+/// Vocabulary:
+///  - *replica*: one rank's full copy of the model. All replicas hold identical parameters at all times.
+///  - *synchronize a gradient*: replace every rank's `.grad` by the average of all ranks' `.grad`.
+///  - *gradient accumulation*: several backward passes (micro-batches) before one optimizer step; only the last
+///    one synchronizes (see `no_sync`).
+///
+/// Why averaging is exact: each rank's loss is the mean over its B/W examples, so the average of the W gradients
+/// is the gradient of the mean loss over all B examples — what a single device would compute.
+///
+/// References: picotron DataParallelNaive (and its issue #39: the hook must see the accumulated gradient, and
+/// must all-reduce the gradient, not the parameter); PyTorch DDP `no_sync`.
+
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/model.h"
+
+#include <memory>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace shardlab::naive_ddp {
+
+/// Wraps a Model so that gradients are averaged over the ranks of a Communicator after every backward pass.
+///
+/// Contract:
+///  - Construct on every rank with a model of the same structure; construction broadcasts every parameter and
+///    buffer from rank 0, so all replicas start identical (a collective: all ranks must construct).
+///  - After `loss(batch).backward()` returns, every parameter that received a gradient holds the average over
+///    ranks in `.grad()`; parameters that got no gradient, and frozen parameters, are never communicated.
+///  - Every rank must produce gradients for the same parameters in the same backward pass (else a collective
+///    times out and backward throws).
+///  - The model and the Communicator must outlive the NaiveDDP. Not copyable or movable (hooks point to it).
+class NaiveDDP {
+ public:
+  /// Broadcasts `module`'s parameters and buffers from rank 0 and installs one gradient hook per trainable
+  /// parameter. @param comm the data-parallel group; its recorder sees every collective.
+  NaiveDDP(std::shared_ptr<Model> module, Communicator& comm);
+  ~NaiveDDP();
+  NaiveDDP(const NaiveDDP&) = delete;
+  NaiveDDP& operator=(const NaiveDDP&) = delete;
+
+  /// The wrapped model's mean loss on this rank's `batch`; call `.backward()` on it to train.
+  at::Tensor loss(const Batch& batch) { return module_->loss(batch); }
+  /// The wrapped model (for the optimizer and for checkpoints).
+  Model& module() { return *module_; }
+
+  /// RAII scope that turns gradient synchronization off; the previous setting returns when it ends.
+  class NoSync {
+   public:
+    /// Disables synchronization on `ddp` until destruction.
+    explicit NoSync(NaiveDDP& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    NaiveDDP& ddp_;
+    bool previous_;
+  };
+
+  /// Skips communication for backward passes run while the returned scope lives: gradients accumulate locally
+  /// (and differ across ranks). The first backward after the scope synchronizes the accumulated gradients.
+  /// @code
+  ///   { auto scope = ddp.no_sync(); ddp.loss(mb0).backward(); }   // local accumulation
+  ///   ddp.loss(mb1).backward();                                   // accumulated grads are averaged here
+  /// @endcode
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  /// True unless inside a `no_sync` scope.
+  bool sync_enabled() const { return sync_enabled_; }
+
+ private:
+  void broadcast_state();
+  void register_hooks();
+  void on_gradient_ready(size_t index);
+  void finish_sync();
+
+  std::shared_ptr<Model> module_;
+  Communicator& comm_;
+  std::vector<at::Tensor> params_;                                // trainable parameters, registration order
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks alive
+  std::vector<Handle> pending_;                                   // all-reduces launched in this backward
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);         // hooks do nothing once this is gone
+  bool sync_enabled_ = true;
+  bool callback_queued_ = false;
+};
+
+}  // namespace shardlab::naive_ddp

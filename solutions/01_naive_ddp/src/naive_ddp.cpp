@@ -1,0 +1,84 @@
+#include "shardlab/naive_ddp/naive_ddp.h"
+
+#include "shardlab/common/compat.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <stdexcept>
+
+namespace shardlab::naive_ddp {
+
+NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(std::move(module)), comm_(comm) {
+  if (!module_) throw std::invalid_argument("NaiveDDP: expected a model; got a null pointer");
+  for (const auto& p : module_->parameters(/*recurse=*/true))
+    if (p.requires_grad()) params_.push_back(p);
+  broadcast_state();
+  register_hooks();
+}
+
+NaiveDDP::~NaiveDDP() {
+  // Collectives still in flight write into tensors we do not own any more: finish them first.
+  for (auto& h : pending_) {
+    try {
+      h.wait();
+    } catch (...) {  // a destructor must not throw; the error was (or will be) reported by backward
+    }
+  }
+}
+
+void NaiveDDP::broadcast_state() {
+  // BEGIN SOLUTION(01): broadcast every parameter and buffer from rank 0
+  // All replicas must start identical. Launch every broadcast, then wait for all of them (they overlap).
+  std::vector<Handle> handles;
+  for (const auto& p : module_->parameters(/*recurse=*/true)) handles.push_back(comm_.broadcast(p.detach(), 0));
+  for (const auto& b : module_->buffers(/*recurse=*/true)) handles.push_back(comm_.broadcast(b.detach(), 0));
+  for (auto& h : handles) h.wait();
+  // END SOLUTION
+}
+
+void NaiveDDP::register_hooks() {
+  // BEGIN SOLUTION(01): install a post-accumulate hook on every trainable parameter
+  // The hook must fire AFTER autograd accumulated into .grad(), so it sees the sum over micro-batches
+  // (a hook on the incoming gradient would miss them: picotron issue #39).
+  for (size_t i = 0; i < params_.size(); ++i) {
+    std::weak_ptr<int> alive = alive_;
+    accumulators_.push_back(compat::add_post_accumulate_hook(params_[i], [this, alive, i] {
+      if (!alive.expired()) on_gradient_ready(i);
+    }));
+  }
+  // END SOLUTION
+}
+
+void NaiveDDP::on_gradient_ready(size_t index) {
+  // BEGIN SOLUTION(01): launch an asynchronous average of this parameter's gradient
+  if (!sync_enabled_) return;  // accumulating locally: the last micro-batch synchronizes
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    std::weak_ptr<int> alive = alive_;
+    compat::queue_end_of_backward([this, alive] {
+      if (!alive.expired()) finish_sync();
+    });
+  }
+  // Reduce the gradient (not the parameter), in place, averaged over ranks; backward keeps running meanwhile.
+  pending_.push_back(comm_.all_reduce(params_[index].grad(), ReduceOp::kAvg));
+  // END SOLUTION
+}
+
+void NaiveDDP::finish_sync() {
+  // BEGIN SOLUTION(01): wait for every all-reduce launched during this backward
+  callback_queued_ = false;
+  std::vector<Handle> handles = std::move(pending_);
+  pending_.clear();
+  for (auto& h : handles) h.wait();
+  // END SOLUTION
+}
+
+NaiveDDP::NoSync::NoSync(NaiveDDP& ddp) : ddp_(ddp), previous_(ddp.sync_enabled_) {
+  // BEGIN SOLUTION(01): turn gradient synchronization off for this scope
+  ddp_.sync_enabled_ = false;
+  // END SOLUTION
+}
+
+NaiveDDP::NoSync::~NoSync() { ddp_.sync_enabled_ = previous_; }
+
+}  // namespace shardlab::naive_ddp

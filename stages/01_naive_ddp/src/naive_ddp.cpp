@@ -1,0 +1,56 @@
+#include "shardlab/naive_ddp/naive_ddp.h"
+
+#include "shardlab/common/compat.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <stdexcept>
+
+namespace shardlab::naive_ddp {
+
+NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(std::move(module)), comm_(comm) {
+  if (!module_) throw std::invalid_argument("NaiveDDP: expected a model; got a null pointer");
+  for (const auto& p : module_->parameters(/*recurse=*/true))
+    if (p.requires_grad()) params_.push_back(p);
+  broadcast_state();
+  register_hooks();
+}
+
+NaiveDDP::~NaiveDDP() {
+  // Collectives still in flight write into tensors we do not own any more: finish them first.
+  for (auto& h : pending_) {
+    try {
+      h.wait();
+    } catch (...) {  // a destructor must not throw; the error was (or will be) reported by backward
+    }
+  }
+}
+
+void NaiveDDP::broadcast_state() {
+  // TODO(stage01): broadcast every parameter and buffer from rank 0
+  throw std::logic_error("not implemented: stage 01 — broadcast every parameter and buffer from rank 0");
+}
+
+void NaiveDDP::register_hooks() {
+  // TODO(stage01): install a post-accumulate hook on every trainable parameter
+  throw std::logic_error("not implemented: stage 01 — install a post-accumulate hook on every trainable parameter");
+}
+
+void NaiveDDP::on_gradient_ready(size_t index) {
+  // TODO(stage01): launch an asynchronous average of this parameter's gradient
+  throw std::logic_error("not implemented: stage 01 — launch an asynchronous average of this parameter's gradient");
+}
+
+void NaiveDDP::finish_sync() {
+  // TODO(stage01): wait for every all-reduce launched during this backward
+  throw std::logic_error("not implemented: stage 01 — wait for every all-reduce launched during this backward");
+}
+
+NaiveDDP::NoSync::NoSync(NaiveDDP& ddp) : ddp_(ddp), previous_(ddp.sync_enabled_) {
+  // TODO(stage01): turn gradient synchronization off for this scope
+  throw std::logic_error("not implemented: stage 01 — turn gradient synchronization off for this scope");
+}
+
+NaiveDDP::NoSync::~NoSync() { ddp_.sync_enabled_ = previous_; }
+
+}  // namespace shardlab::naive_ddp

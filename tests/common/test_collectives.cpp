@@ -1,0 +1,173 @@
+// Tests of the Communicator on real Gloo process groups, ranks as threads: results, fallbacks, the collective
+// record, argument validation and timeouts.
+#include "shardlab/common/thread_ranks.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <mutex>
+
+namespace shardlab {
+namespace {
+
+GroupOptions fast() {
+  GroupOptions o;
+  o.timeout = std::chrono::milliseconds(20'000);
+  return o;
+}
+
+// Rank r's input: r+1 everywhere (so sums and averages are known in closed form).
+at::Tensor rank_tensor(const Communicator& c, int64_t n, at::ScalarType dt) {
+  return at::full({n}, static_cast<double>(c.rank() + 1), at::TensorOptions().dtype(dt));
+}
+
+double sum_1_to(int w) { return w * (w + 1) / 2.0; }
+
+class CollectivesByWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
+  const int world = GetParam();
+  run_ranks(world, [&](Communicator& c) {
+    for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+      at::Tensor s = rank_tensor(c, 10, dt), a = rank_tensor(c, 10, dt);
+      auto hs = c.all_reduce(s, ReduceOp::kSum);
+      auto ha = c.all_reduce(a, ReduceOp::kAvg);
+      hs.wait();
+      ha.wait();
+      EXPECT_EQ(s.scalar_type(), dt);
+      const double sum_err = (s.to(at::kDouble) - sum_1_to(world)).abs().max().item<double>();
+      const double avg_err = (a.to(at::kDouble) - sum_1_to(world) / world).abs().max().item<double>();
+      if (c.rank() == 0)
+        std::cout << "world " << world << " " << c10::toString(dt) << ": max |sum err| " << sum_err
+                  << ", max |avg err| " << avg_err << "\n";
+      EXPECT_EQ(sum_err, 0.0);
+      EXPECT_LE(avg_err, 1e-2);  // (w+1)/2 is exact in every dtype for w <= 4
+    }
+    auto recs = c.recorder().snapshot();
+    ASSERT_EQ(recs.size(), 8u);
+    for (const auto& r : recs) {
+      EXPECT_EQ(r.op, "all_reduce");
+      EXPECT_EQ(r.numel, 10);
+      EXPECT_EQ(r.group, "world");
+      EXPECT_GT(r.end_ns, 0);
+      EXPECT_GE(r.end_ns, r.start_ns);
+      // bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
+      const int64_t expected = r.dtype == at::kBFloat16 ? 40 : 10 * c10::elementSize(r.dtype);
+      EXPECT_EQ(r.bytes, expected) << c10::toString(r.dtype);
+      EXPECT_EQ(r.wire_dtype, r.dtype == at::kBFloat16 ? at::kFloat : r.dtype);
+    }
+  }, fast());
+}
+
+TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
+  const int world = GetParam();
+  run_ranks(world, [&](Communicator& c) {
+    for (auto dt : {at::kFloat, at::kBFloat16}) {
+      // broadcast from the last rank
+      at::Tensor b = rank_tensor(c, 5, dt);
+      c.broadcast(b, world - 1).wait();
+      EXPECT_TRUE(at::equal(b, at::full({5}, static_cast<double>(world), b.options())));
+
+      // all_gather: rank r contributes [r*10, r*10+1, r*10+2] into one flat output
+      at::Tensor in = at::arange(3, at::TensorOptions().dtype(dt)) + 10.0 * c.rank();
+      at::Tensor out = at::empty({3 * world}, in.options());
+      c.all_gather(out, in).wait();
+      for (int r = 0; r < world; ++r)
+        EXPECT_TRUE(at::equal(out.narrow(0, 3 * r, 3), at::arange(3, in.options()) + 10.0 * r)) << "chunk " << r;
+
+      // reduce_scatter: every rank sends the same [0, 1, ..., 2w-1] * (rank+1); rank r keeps chunk r of the sum
+      at::Tensor full = at::arange(2 * world, at::TensorOptions().dtype(dt)) * static_cast<double>(c.rank() + 1);
+      at::Tensor keep = full.clone();
+      at::Tensor mine = at::empty({2}, full.options()), mine_avg = at::empty({2}, full.options());
+      c.reduce_scatter(mine, full, ReduceOp::kSum).wait();
+      c.reduce_scatter(mine_avg, full, ReduceOp::kAvg).wait();
+      at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, at::TensorOptions().dtype(at::kDouble)) *
+                          sum_1_to(world);
+      EXPECT_LE((mine.to(at::kDouble) - expect).abs().max().item<double>(), 1e-6);
+      EXPECT_LE((mine_avg.to(at::kDouble) - expect / world).abs().max().item<double>(), 0.05);
+      EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
+    }
+    // What really went on the wire (Gloo 1.13): reduce_scatter as an all-reduce of the whole input.
+    for (const auto& r : c.recorder().snapshot()) {
+      if (r.op == "reduce_scatter") {
+        EXPECT_EQ(r.wire_op, "all_reduce");
+        EXPECT_EQ(r.numel, 2 * world);
+        EXPECT_EQ(r.bytes, 2 * world * 4);  // f32 on the wire for both f32 and bf16
+      }
+      if (r.op == "all_gather") EXPECT_EQ(r.bytes, 3 * 4);
+    }
+  }, fast());
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld, ::testing::Values(1, 2, 3, 4));
+
+TEST(Collectives, AsyncWorkOverlapsTheCallingThread) {
+  // all_reduce returns before the result is there; wait() makes it visible.
+  run_ranks(2, [](Communicator& c) {
+    at::Tensor t = at::ones({1 << 16});
+    Handle h = c.all_reduce(t);
+    EXPECT_FALSE(h.done());
+    h.wait();
+    EXPECT_TRUE(h.done());
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+    h.wait();  // a second wait is a no-op
+  }, fast());
+}
+
+TEST(Collectives, BadArgumentsThrowAtTheCallNamingWhatWasExpected) {
+  run_ranks(1, [](Communicator& c) {
+    auto expect_message = [](auto&& fn, const std::string& needle) {
+      try {
+        fn();
+        ADD_FAILURE() << "expected std::invalid_argument containing '" << needle << "'";
+      } catch (const std::invalid_argument& e) {
+        std::cout << "rejected: " << e.what() << "\n";
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+    };
+    at::Tensor m = at::ones({4, 4});
+    expect_message([&] { c.all_reduce(m.t().narrow(0, 0, 2)); }, "contiguous");
+    expect_message([&] { c.all_reduce(at::ones({3}, at::kBool)); }, "dtype");
+    expect_message([&] { c.all_reduce(at::ones({3}, at::kLong), ReduceOp::kAvg); }, "floating");
+    expect_message([&] { c.broadcast(at::ones({3}), 1); }, "root");
+    expect_message([&] { c.all_gather(at::ones({5}), at::ones({3})); }, "elements");
+    expect_message([&] { c.all_gather(at::ones({3}, at::kDouble), at::ones({3})); }, "dtype");
+    expect_message([&] { c.reduce_scatter(at::ones({2}), at::ones({3})); }, "elements");
+    expect_message([&] { c.all_reduce(at::Tensor()); }, "undefined");
+    EXPECT_EQ(c.recorder().size(), 0u) << "nothing may be submitted for a rejected call";
+  }, fast());
+}
+
+TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
+  GroupOptions o;
+  o.timeout = std::chrono::milliseconds(1500);
+  std::string message;
+  run_ranks(2, [&](Communicator& c) {
+    if (c.rank() == 1) return;  // rank 1 never joins the all-reduce
+    at::Tensor t = at::ones({8});
+    try {
+      c.all_reduce(t).wait();
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const std::runtime_error& e) {
+      message = e.what();
+    }
+  }, o);
+  std::cout << "timeout message: " << message << "\n";
+  EXPECT_NE(message.find("all_reduce"), std::string::npos);
+  EXPECT_NE(message.find("rank 0"), std::string::npos);
+}
+
+TEST(Collectives, RunRanksNamesTheFailingRank) {
+  try {
+    run_ranks(3, [](Communicator& c) {
+      if (c.rank() == 2) throw std::runtime_error("boom");
+    }, fast());
+    FAIL() << "expected an exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "rank 2: boom");
+  }
+}
+
+}  // namespace
+}  // namespace shardlab

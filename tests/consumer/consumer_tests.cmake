@@ -1,0 +1,15 @@
+# Package test: install this build into a scratch prefix, then configure, build and run tests/consumer — a
+# separate project that only does find_package(ShardLab) — training two ranks.
+set(_prefix ${CMAKE_BINARY_DIR}/consumer-install)
+set(_build ${CMAKE_BINARY_DIR}/consumer-build)
+add_test(NAME package_install
+  COMMAND ${CMAKE_COMMAND} --install ${CMAKE_BINARY_DIR} --prefix ${_prefix})
+add_test(NAME package_consumer_build
+  COMMAND ${CMAKE_COMMAND} -E env --unset=CMAKE_PREFIX_PATH
+          ${CMAKE_CTEST_COMMAND} --build-and-test ${CMAKE_CURRENT_SOURCE_DIR}/consumer ${_build}
+          --build-generator ${CMAKE_GENERATOR}
+          --build-options -DCMAKE_PREFIX_PATH=${_prefix} -DCMAKE_BUILD_TYPE=Release
+          --test-command ${_build}/shardlab_consumer)
+set_tests_properties(package_install PROPERTIES LABELS package TIMEOUT 120 FIXTURES_SETUP shardlab_installed)
+set_tests_properties(package_consumer_build PROPERTIES LABELS package TIMEOUT 300
+  FIXTURES_REQUIRED shardlab_installed PASS_REGULAR_EXPRESSION "consumer: 2 ranks trained")

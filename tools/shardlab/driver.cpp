@@ -1,0 +1,236 @@
+#include "run.h"
+#include "strategies.h"
+
+#include "shardlab/common/launcher.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace shardlab::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Draws "[#####.....] k/K loss x" on stderr: in place on a terminal, at quarters otherwise.
+class ProgressBar {
+ public:
+  ProgressBar(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
+  void update(int done, int total, double loss) {
+    const int width = 30, filled = total > 0 ? done * width / total : width;
+    if (!tty_ && done != total && (done * 4 / total) == ((done - 1) * 4 / total)) return;
+    std::fprintf(stderr, "%s%-12s [%s%s] %d/%d  loss %.4f%s", tty_ ? "\r" : "", label_.c_str(),
+                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(), done, total, loss,
+                 tty_ && done < total ? "" : "\n");
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string label_;
+  bool tty_;
+};
+
+std::map<std::string, std::vector<double>> read_rank_text(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("missing worker result " + path);
+  std::map<std::string, std::vector<double>> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream s(line);
+    std::string key;
+    s >> key;
+    double v;
+    while (s >> v) out[key].push_back(v);
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+}  // namespace
+
+RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
+  const Strategy& strategy = find_strategy(options.strategy);
+  RunOptions o = options;
+  if (!strategy.distributed) o.world_size = 1;
+  char tmpl[] = "/tmp/shardlab-run-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("cannot create a temporary directory under /tmp");
+  o.result_dir = tmpl;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{tmpl};
+
+  LaunchOptions launch_options;
+  launch_options.nproc = o.world_size;
+  launch_options.timeout = std::chrono::seconds(o.timeout_s);
+  std::vector<std::string> argv{self_exe, "worker"};
+  for (auto& a : to_args(o)) argv.push_back(a);
+  ProgressBar bar(o.strategy);
+  const LaunchResult result = launch(launch_options, argv, [&](int rank, const std::string& line) {
+    int done = 0, total = 0;
+    double loss = 0;
+    if (rank == 0 && std::sscanf(line.c_str(), "@@progress %d %d %lf", &done, &total, &loss) == 3)
+      bar.update(done, total, loss);
+    else
+      print_prefixed(rank, line);
+  });
+  if (result.exit_code != 0) throw std::runtime_error(o.strategy + " failed: " + result.message);
+
+  RunReport r;
+  r.strategy = o.strategy;
+  r.description = strategy.description;
+  r.world_size = o.world_size;
+  r.train = o.train;
+  const ReferenceResult ref = train_reference(o.train);
+  r.reference_losses = ref.losses;
+  at::Tensor ref_flat = at::cat([&] {
+    std::vector<at::Tensor> flat;
+    for (const auto& p : ref.params) flat.push_back(p.to(at::kDouble).reshape({-1}));
+    return flat;
+  }());
+
+  r.losses.assign(o.train.steps, 0.0);
+  for (int rank = 0; rank < o.world_size; ++rank) {
+    const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
+    auto text = read_rank_text(prefix + ".txt");
+    const auto& losses = text["losses"];
+    if (losses.size() != static_cast<size_t>(o.train.steps))
+      throw std::runtime_error("rank " + std::to_string(rank) + " reported " + std::to_string(losses.size()) +
+                               " losses; expected " + std::to_string(o.train.steps));
+    for (int s = 0; s < o.train.steps; ++s) r.losses[s] += losses[s] / o.world_size;
+    if (rank == 0) {
+      r.step_time_ms = median(text["step_ms"]);
+      r.setup_collectives = text["setup_collectives"].empty() ? 0 : text["setup_collectives"][0];
+      r.collectives_per_step = text["collectives"].empty() ? 0 : text["collectives"][0] / o.train.steps;
+      r.bytes_per_step = text["bytes"].empty() ? 0 : text["bytes"][0] / o.train.steps;
+    }
+    std::ifstream in(prefix + ".params", std::ios::binary);
+    at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
+    in.read(reinterpret_cast<char*>(mine.data_ptr<double>()), static_cast<std::streamsize>(mine.numel() * 8));
+    if (in.gcount() != mine.numel() * 8)
+      throw std::runtime_error("rank " + std::to_string(rank) + " wrote parameters of another size than the model");
+    r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
+  }
+  const Theory theory = strategy.theory(*make_model(o.train.model, o.train.seed), o.world_size);
+  r.collectives_per_step_theory = theory.collectives;
+  r.bytes_per_step_theory = theory.bytes;
+  return r;
+}
+
+void print_report(const RunReport& r) {
+  std::cout << "\nshardlab train: " << r.strategy << " (" << r.description << ")\n"
+            << "  model " << r.train.model << ", world size " << r.world_size << ", global batch "
+            << r.train.global_batch << ", micro-batches " << r.train.micro_batches << ", " << r.train.optimizer
+            << " lr " << r.train.lr << ", seed " << r.train.seed << "\n\n"
+            << "  step        loss   reference   |difference|\n";
+  for (size_t s = 0; s < r.losses.size(); ++s)
+    std::cout << "  " << std::setw(4) << s << std::fixed << std::setprecision(6) << std::setw(12) << r.losses[s]
+              << std::setw(12) << r.reference_losses[s] << std::scientific << std::setprecision(2) << std::setw(15)
+              << std::abs(r.losses[s] - r.reference_losses[s]) << "\n";
+  std::cout << std::defaultfloat << std::setprecision(6) << "\n  max parameter difference vs single device: "
+            << r.max_param_diff << "\n  collectives per step: " << r.collectives_per_step
+            << " (theory " << r.collectives_per_step_theory << "), plus " << r.setup_collectives
+            << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step)
+            << " (theory " << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n  median step time: "
+            << std::fixed << std::setprecision(2) << r.step_time_ms << " ms\n"
+            << std::defaultfloat;
+}
+
+void print_comparison(const std::vector<RunReport>& reports) {
+  if (reports.empty()) return;
+  const auto& t = reports.front().train;
+  std::cout << "\nshardlab compare: model " << t.model << ", global batch " << t.global_batch << ", " << t.steps
+            << " steps, " << t.optimizer << " lr " << t.lr << ", seed " << t.seed << "\n\n";
+  std::cout << std::left << std::setw(12) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
+            << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
+            << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
+            << "(theory)" << std::setw(12) << "step ms" << "\n";
+  for (const auto& r : reports) {
+    std::cout << std::left << std::setw(12) << r.strategy << std::right << std::setw(6) << r.world_size
+              << std::fixed << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12)
+              << r.reference_losses.back() << std::scientific << std::setprecision(2) << std::setw(14)
+              << r.max_param_diff << std::defaultfloat << std::setw(12) << r.collectives_per_step << std::setw(10)
+              << r.collectives_per_step_theory << std::setw(14) << static_cast<int64_t>(r.bytes_per_step)
+              << std::setw(12) << static_cast<int64_t>(r.bytes_per_step_theory) << std::fixed
+              << std::setprecision(2) << std::setw(12) << r.step_time_ms << std::defaultfloat << "\n";
+  }
+}
+
+namespace {
+
+void json_array(std::ostream& out, const std::vector<double>& v) {
+  out << '[';
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "") << v[i];
+  out << ']';
+}
+
+void json_report(std::ostream& out, const RunReport& r, const std::string& pad) {
+  out << pad << "{\n"
+      << pad << "  \"strategy\": \"" << r.strategy << "\",\n"
+      << pad << "  \"world_size\": " << r.world_size << ",\n"
+      << pad << "  \"model\": \"" << r.train.model << "\",\n"
+      << pad << "  \"optimizer\": \"" << r.train.optimizer << "\",\n"
+      << pad << "  \"lr\": " << r.train.lr << ",\n"
+      << pad << "  \"steps\": " << r.train.steps << ",\n"
+      << pad << "  \"global_batch\": " << r.train.global_batch << ",\n"
+      << pad << "  \"micro_batches\": " << r.train.micro_batches << ",\n"
+      << pad << "  \"seed\": " << r.train.seed << ",\n"
+      << pad << "  \"losses\": ";
+  json_array(out, r.losses);
+  out << ",\n" << pad << "  \"reference_losses\": ";
+  json_array(out, r.reference_losses);
+  out << ",\n"
+      << pad << "  \"max_param_diff\": " << r.max_param_diff << ",\n"
+      << pad << "  \"collectives_per_step\": " << r.collectives_per_step << ",\n"
+      << pad << "  \"collectives_per_step_theory\": " << r.collectives_per_step_theory << ",\n"
+      << pad << "  \"setup_collectives\": " << r.setup_collectives << ",\n"
+      << pad << "  \"bytes_per_step\": " << r.bytes_per_step << ",\n"
+      << pad << "  \"bytes_per_step_theory\": " << r.bytes_per_step_theory << ",\n"
+      << pad << "  \"step_time_ms\": " << r.step_time_ms << "\n"
+      << pad << "}";
+}
+
+}  // namespace
+
+void write_json(const std::string& path, const std::vector<RunReport>& reports, bool as_array) {
+  // Write beside the target, then rename: an existing file is only replaced by a complete one.
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw std::runtime_error("cannot write --json file '" + path + "'");
+    out.precision(17);
+    if (as_array) {
+      out << "[\n";
+      for (size_t i = 0; i < reports.size(); ++i) {
+        json_report(out, reports[i], "  ");
+        out << (i + 1 < reports.size() ? ",\n" : "\n");
+      }
+      out << "]\n";
+    } else {
+      json_report(out, reports.at(0), "");
+      out << "\n";
+    }
+    if (!out) throw std::runtime_error("cannot write --json file '" + path + "'");
+  }
+  fs::rename(tmp, path);
+}
+
+}  // namespace shardlab::cli

@@ -1,0 +1,53 @@
+// shardlab: train a model on N local ranks with a chosen strategy and compare it with one device.
+//   shardlab train --strategy naive_ddp --world-size 4 --model tiny_gpt --steps 10 [--json FILE]
+//   shardlab compare --world-size 4 --model tiny_gpt
+#include "options.h"
+#include "run.h"
+#include "strategies.h"
+
+#include <filesystem>
+#include <iostream>
+
+using namespace shardlab::cli;
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::cout << usage();
+    return args.empty() ? 2 : 0;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  try {
+    if (command == "worker") return run_worker(parse_options(args, true));
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+    if (command == "train") {
+      RunOptions o = parse_options(args, true);
+      RunReport r = run_strategy(o, self);
+      print_report(r);
+      if (!o.json.empty()) write_json(o.json, {r}, false);
+      return 0;
+    }
+    if (command == "compare") {
+      RunOptions o = parse_options(args, false);
+      std::vector<RunReport> reports;
+      for (const auto& s : strategies()) {
+        RunOptions each = o;
+        each.strategy = s.name;
+        each.world_size = s.distributed ? o.world_size : 1;
+        reports.push_back(run_strategy(each, self));
+      }
+      print_comparison(reports);
+      if (!o.json.empty()) write_json(o.json, reports, true);
+      return 0;
+    }
+    std::cerr << "shardlab: unknown command '" << command << "'; expected train or compare\n" << usage();
+    return 2;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "shardlab: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "shardlab: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,122 @@
+#include "options.h"
+
+#include "strategies.h"
+
+#include "shardlab/common/model.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace shardlab::cli {
+namespace {
+
+long parse_int(const std::string& flag, const std::string& value, long min, long max) {
+  size_t used = 0;
+  long v = 0;
+  try {
+    v = std::stol(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || value.empty() || v < min || v > max)
+    throw std::invalid_argument(flag + " expects an integer in [" + std::to_string(min) + ", " +
+                                std::to_string(max) + "]; got '" + value + "'");
+  return v;
+}
+
+double parse_double(const std::string& flag, const std::string& value) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size() || !(v > 0))
+    throw std::invalid_argument(flag + " expects a positive number; got '" + value + "'");
+  return v;
+}
+
+std::string one_of(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed) {
+  if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return value;
+  std::string list;
+  for (const auto& a : allowed) list += (list.empty() ? "" : "|") + a;
+  throw std::invalid_argument(flag + " expects one of " + list + "; got '" + value + "'");
+}
+
+}  // namespace
+
+RunOptions parse_options(const std::vector<std::string>& args, bool allow_strategy) {
+  RunOptions o;
+  o.train.model = "mlp";
+  o.train.steps = 10;
+  o.train.global_batch = 16;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& flag = args[i];
+    if (flag.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + flag + "'; flags start with --");
+    if (i + 1 >= args.size()) throw std::invalid_argument(flag + " expects a value; got nothing");
+    const std::string& v = args[++i];
+    if (flag == "--strategy" && allow_strategy) o.strategy = one_of(flag, v, strategy_names());
+    else if (flag == "--world-size") o.world_size = static_cast<int>(parse_int(flag, v, 1, 64));
+    else if (flag == "--model") o.train.model = one_of(flag, v, model_names());
+    else if (flag == "--steps") o.train.steps = static_cast<int>(parse_int(flag, v, 1, 100000));
+    else if (flag == "--global-batch") o.train.global_batch = parse_int(flag, v, 1, 1 << 20);
+    else if (flag == "--seed") o.train.seed = static_cast<uint64_t>(parse_int(flag, v, 0, 1L << 40));
+    else if (flag == "--optimizer") o.train.optimizer = one_of(flag, v, {"sgd", "adamw"});
+    else if (flag == "--lr") o.train.lr = parse_double(flag, v);
+    else if (flag == "--micro-batches") o.train.micro_batches = static_cast<int>(parse_int(flag, v, 1, 1024));
+    else if (flag == "--json") o.json = v;
+    else if (flag == "--timeout") o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
+    else if (flag == "--result-dir") o.result_dir = v;
+    else throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
+  }
+  const int world = o.strategy == "single" ? 1 : o.world_size;
+  if (o.strategy == "single" && allow_strategy && o.world_size != 1 &&
+      std::find(args.begin(), args.end(), "--world-size") != args.end())
+    throw std::invalid_argument("--strategy single runs on one rank; got --world-size " +
+                                std::to_string(o.world_size) + " (drop the flag or pass 1)");
+  if (o.strategy == "single") o.world_size = 1;
+  if (o.train.global_batch % (static_cast<int64_t>(world) * o.train.micro_batches) != 0)
+    throw std::invalid_argument("--global-batch " + std::to_string(o.train.global_batch) +
+                                " must divide by world size x micro-batches = " +
+                                std::to_string(world * o.train.micro_batches));
+  return o;
+}
+
+std::vector<std::string> to_args(const RunOptions& o) {
+  std::ostringstream lr;
+  lr.precision(17);
+  lr << o.train.lr;
+  return {"--strategy",      o.strategy,
+          "--world-size",    std::to_string(o.world_size),
+          "--model",         o.train.model,
+          "--steps",         std::to_string(o.train.steps),
+          "--global-batch",  std::to_string(o.train.global_batch),
+          "--seed",          std::to_string(o.train.seed),
+          "--optimizer",     o.train.optimizer,
+          "--lr",            lr.str(),
+          "--micro-batches", std::to_string(o.train.micro_batches),
+          "--result-dir",    o.result_dir};
+}
+
+std::string usage() {
+  std::string strategies;
+  for (const auto& s : strategy_names()) strategies += (strategies.empty() ? "" : "|") + s;
+  return "usage:\n"
+         "  shardlab train   --strategy " + strategies + " [options]   train on N local ranks, compare to one device\n"
+         "  shardlab compare [options]                                  every strategy side by side\n"
+         "options:\n"
+         "  --world-size N      ranks (processes)                      default 2\n"
+         "  --model M           mlp|tiny_gpt|edge                      default mlp\n"
+         "  --steps K           optimizer steps                        default 10\n"
+         "  --global-batch B    examples per step over all ranks       default 16\n"
+         "  --seed S            model and data seed                    default 1\n"
+         "  --optimizer O       sgd|adamw                              default sgd\n"
+         "  --lr X              learning rate                          default 0.05\n"
+         "  --micro-batches M   gradient accumulation per step         default 1\n"
+         "  --json FILE         also write the report as JSON\n"
+         "  --timeout SECONDS   kill the run if it takes longer        default 600\n";
+}
+
+}  // namespace shardlab::cli

@@ -1,0 +1,42 @@
+#pragma once
+// Running a strategy: the worker side (one rank process) and the driver side (launch, reference, report).
+
+#include "options.h"
+
+#include <string>
+#include <vector>
+
+namespace shardlab::cli {
+
+/// One finished run, ready to print or write as JSON.
+struct RunReport {
+  std::string strategy;
+  std::string description;
+  int world_size = 1;
+  TrainConfig train;
+  std::vector<double> losses;            ///< global loss per step (mean of the ranks' slice losses)
+  std::vector<double> reference_losses;  ///< the single-device reference, same steps
+  double max_param_diff = 0;             ///< over all ranks and parameters, against the reference
+  double collectives_per_step = 0;       ///< measured on rank 0, after construction
+  double bytes_per_step = 0;             ///< payload bytes rank 0 handed to the backend per step
+  double collectives_per_step_theory = 0;
+  double bytes_per_step_theory = 0;
+  double setup_collectives = 0;          ///< collectives at construction (broadcast of the initial state)
+  double step_time_ms = 0;               ///< median over steps, rank 0
+};
+
+/// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into
+/// options.result_dir. Rank 0 prints "@@progress k K loss" lines the driver turns into a progress bar.
+int run_worker(const RunOptions& options);
+
+/// Launches the ranks, runs the reference, and assembles the report. @throws std::runtime_error when a rank fails.
+RunReport run_strategy(const RunOptions& options, const std::string& self_exe);
+
+/// Prints one run: loss per step beside the reference, difference, traffic beside theory, step time.
+void print_report(const RunReport& r);
+/// Prints several runs side by side.
+void print_comparison(const std::vector<RunReport>& reports);
+/// Writes one report (an object) or several (an array) as JSON to `path`.
+void write_json(const std::string& path, const std::vector<RunReport>& reports, bool as_array);
+
+}  // namespace shardlab::cli

@@ -1,0 +1,50 @@
+#pragma once
+// The strategies `shardlab train` and `shardlab compare` know. Extension point: a later stage adds one entry to
+// strategies() in strategies.cpp (a name, a theory of its traffic, and a factory for its StepRunner).
+
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/reference.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardlab::cli {
+
+/// Trains one rank's share: owns the model, its data-parallel wrapper and the optimizer.
+class StepRunner {
+ public:
+  virtual ~StepRunner() = default;
+  /// One optimizer step on this rank's slice of the global batch (split into micro-batches); returns the mean
+  /// loss over that slice.
+  virtual double step(const Batch& local) = 0;
+  /// Every parameter of the full model (registration order), as a single device would hold it.
+  virtual std::vector<at::Tensor> full_parameters() = 0;
+};
+
+/// What a strategy should send per step, in theory.
+struct Theory {
+  double collectives = 0;  ///< collectives per step
+  double bytes = 0;        ///< payload bytes per rank per step
+};
+
+/// A named way to train.
+struct Strategy {
+  std::string name;         ///< the --strategy value
+  std::string description;  ///< one line for the report
+  bool distributed;         ///< false: runs on one rank without communication
+  /// Expected traffic for `model` (built from the same config) on `world` ranks.
+  std::function<Theory(const Model& model, int world)> theory;
+  /// Builds the runner; `comm` is null when !distributed.
+  std::function<std::unique_ptr<StepRunner>(const TrainConfig&, Communicator*)> make;
+};
+
+/// Every strategy built so far, in course order.
+const std::vector<Strategy>& strategies();
+/// Their names.
+std::vector<std::string> strategy_names();
+/// The strategy called `name`. @throws std::invalid_argument listing the known ones.
+const Strategy& find_strategy(const std::string& name);
+
+}  // namespace shardlab::cli

@@ -1,0 +1,69 @@
+#include "run.h"
+#include "strategies.h"
+
+#include "shardlab/common/data.h"
+#include "shardlab/common/process_group.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+
+namespace shardlab::cli {
+
+int run_worker(const RunOptions& o) {
+  const Strategy& strategy = find_strategy(o.strategy);
+  std::shared_ptr<Communicator> comm;
+  int rank = 0, world = 1;
+  if (strategy.distributed) {
+    GroupOptions group;
+    group.timeout = std::chrono::milliseconds(120'000);
+    comm = communicator_from_env(group);
+    rank = comm->rank();
+    world = comm->size();
+  }
+  auto runner = strategy.make(o.train, comm.get());
+  const size_t setup = comm ? comm->recorder().size() : 0;
+  auto data = make_dataset(o.train.model, o.train.seed);
+
+  std::vector<double> losses, step_ms;
+  for (int step = 0; step < o.train.steps; ++step) {
+    Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world);
+    const auto t0 = std::chrono::steady_clock::now();
+    losses.push_back(runner->step(local));
+    step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (rank == 0) std::cout << "@@progress " << step + 1 << " " << o.train.steps << " " << losses.back() << std::endl;
+  }
+
+  // Results: a small text file, and the parameters as raw float64 (the driver knows the shapes).
+  const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
+  std::ofstream out(prefix + ".txt");
+  out.precision(17);
+  out << "losses";
+  for (double l : losses) out << ' ' << l;
+  out << "\nstep_ms";
+  for (double t : step_ms) out << ' ' << t;
+  double collectives = 0, bytes = 0;
+  if (comm) {
+    for (const auto& r : comm->recorder().since(setup)) {
+      collectives += 1;
+      bytes += static_cast<double>(r.bytes);
+    }
+  }
+  out << "\nsetup_collectives " << setup << "\ncollectives " << collectives << "\nbytes " << bytes << "\n";
+  std::ofstream params(prefix + ".params", std::ios::binary);
+  for (const auto& p : runner->full_parameters()) {
+    at::Tensor flat = p.detach().to(at::kDouble).contiguous().view({-1});
+    params.write(reinterpret_cast<const char*>(flat.data_ptr<double>()),
+                 static_cast<std::streamsize>(flat.numel() * sizeof(double)));
+  }
+  if (!out || !params) {
+    std::cerr << "cannot write results under " << o.result_dir << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace shardlab::cli
