@@ -138,8 +138,7 @@ TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) 
   for (int r = 0; r < world; ++r) EXPECT_EQ(broadcasts[r], 7u);
 }
 
-// Records of one training step, per rank, for a model; `unsynced_grads` gets rank-0-vs-rank-1 gradient diffs
-// measured after a backward inside no_sync.
+// Structure: per step, one all-reduce (average) per parameter that received a gradient, of that parameter's size.
 TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
   run_ranks(2, [&](Communicator& comm) {
     auto model = make_model("edge", 5);

@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 namespace shardlab {
 
@@ -36,8 +37,22 @@ class Handle {
   /// Wraps c10d work plus a `finish` step (divide, copy back, cast) run by `wait()` on the waiting thread.
   Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> finish, std::string what,
          std::chrono::milliseconds timeout);
-  Handle(Handle&&) noexcept = default;
-  Handle& operator=(Handle&&) noexcept = default;
+  /// Moves the pending collective; the source becomes a completed handle.
+  Handle(Handle&& other) noexcept
+      : work_(std::move(other.work_)),
+        finish_(std::move(other.finish_)),
+        what_(std::move(other.what_)),
+        timeout_(other.timeout_),
+        done_(std::exchange(other.done_, true)) {}
+  /// Moves the pending collective; the handle overwritten must not be pending (wait for it first).
+  Handle& operator=(Handle&& other) noexcept {
+    work_ = std::move(other.work_);
+    finish_ = std::move(other.finish_);
+    what_ = std::move(other.what_);
+    timeout_ = other.timeout_;
+    done_ = std::exchange(other.done_, true);
+    return *this;
+  }
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
   ~Handle() = default;
@@ -60,7 +75,10 @@ class Handle {
 class Communicator {
  public:
   /// Wraps an existing c10d backend.
+  /// @param backend the c10d backend (from make_communicator or compat::make_gloo / make_nccl).
+  /// @param kind which backend it is (decides fallbacks and device checks).
   /// @param name  label written into every CollectiveRecord (e.g. "world", "shard0").
+  /// @param timeout applied to every wait().
   /// @param recorder shared log; a new one is made when null.
   Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,
                std::chrono::milliseconds timeout, std::shared_ptr<CommRecorder> recorder = nullptr);

@@ -45,12 +45,15 @@ using Work = c10d::Work;
 bool has_nccl();
 
 /// Creates a Gloo backend for `rank` of `size` that rendezvous through `store`.
+/// @param store rendezvous store shared by the group's ranks.
+/// @param rank this rank, in [0, size).
+/// @param size number of ranks.
 /// @param hostname the address Gloo binds to ("127.0.0.1" for one machine; empty = this host's default device).
 /// @param timeout applied to every collective of the group.
 c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                       std::chrono::milliseconds timeout, const std::string& hostname);
 
-/// Creates an NCCL backend. Throws std::runtime_error when `has_nccl()` is false.
+/// Creates an NCCL backend (same arguments as make_gloo). Throws std::runtime_error when `has_nccl()` is false.
 c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                       std::chrono::milliseconds timeout);
 

@@ -15,6 +15,7 @@ namespace shardlab {
 class Mlp : public Model {
  public:
   /// @param sizes layer widths, input first, number of classes last (at least two entries).
+  /// @param seed draws the initial weights.
   Mlp(const std::vector<int64_t>& sizes, uint64_t seed);
   /// Logits [B, classes].
   at::Tensor forward(const at::Tensor& x);

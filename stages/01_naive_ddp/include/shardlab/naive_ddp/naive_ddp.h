@@ -42,7 +42,9 @@ namespace shardlab::naive_ddp {
 class NaiveDDP {
  public:
   /// Broadcasts `module`'s parameters and buffers from rank 0 and installs one gradient hook per trainable
-  /// parameter. @param comm the data-parallel group; its recorder sees every collective.
+  /// parameter.
+  /// @param module the model to replicate; NaiveDDP shares ownership.
+  /// @param comm the data-parallel group; its recorder sees every collective.
   NaiveDDP(std::shared_ptr<Model> module, Communicator& comm);
   ~NaiveDDP();
   NaiveDDP(const NaiveDDP&) = delete;

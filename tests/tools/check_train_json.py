@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Runs `shardlab train` as real processes and checks its JSON report: the keys, equivalence with the
+single-device reference, and measured traffic equal to theory. Usage: check_train_json.py SHARDLAB ARGS..."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "report.json")
+    cmd = [sys.argv[1], "train", *sys.argv[2:], "--json", path]
+    print("running:", " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, timeout=300)
+    if p.returncode != 0:
+        sys.exit(f"shardlab train exited with {p.returncode}")
+    report = json.load(open(path))
+
+required = ["strategy", "world_size", "losses", "reference_losses", "max_param_diff", "collectives_per_step",
+            "bytes_per_step", "bytes_per_step_theory", "step_time_ms"]
+missing = [k for k in required if k not in report]
+print("max_param_diff", report.get("max_param_diff"), "collectives/step", report.get("collectives_per_step"),
+      "theory", report.get("collectives_per_step_theory"), "bytes/step", report.get("bytes_per_step"),
+      "theory", report.get("bytes_per_step_theory"))
+errors = []
+if missing:
+    errors.append(f"missing keys {missing}")
+else:
+    if len(report["losses"]) != len(report["reference_losses"]):
+        errors.append("losses and reference_losses differ in length")
+    if not report["max_param_diff"] <= 1e-5:
+        errors.append(f"max_param_diff {report['max_param_diff']} > 1e-5")
+    if report["collectives_per_step"] != report["collectives_per_step_theory"]:
+        errors.append("collectives per step differ from theory")
+    if report["bytes_per_step"] != report["bytes_per_step_theory"]:
+        errors.append("bytes per step differ from theory")
+    worst = max(abs(a - b) for a, b in zip(report["losses"], report["reference_losses"]))
+    print("max |loss - reference loss|", worst)
+    if worst > 1e-4:
+        errors.append(f"loss differs from the reference by {worst}")
+if errors:
+    sys.exit("; ".join(errors))
+print("ok")
