@@ -44,6 +44,33 @@ namespace shardlab {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Set by SIGINT/SIGTERM while launch() runs: the launcher then stops its ranks (which live in their own process
+// groups and so do not get the terminal's signal) instead of dying and leaving them behind.
+volatile sig_atomic_t g_interrupted = 0;
+extern "C" void on_interrupt(int sig) { g_interrupted = sig; }
+
+// Installs on_interrupt for SIGINT and SIGTERM for the lifetime of the object, then restores the old handlers.
+class InterruptGuard {
+ public:
+  InterruptGuard() {
+    g_interrupted = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_interrupt;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int_);
+    sigaction(SIGTERM, &sa, &old_term_);
+  }
+  ~InterruptGuard() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+
+ private:
+  struct sigaction old_int_ {}, old_term_ {};
+};
+
 constexpr auto kGracePeriod = std::chrono::seconds(3);      // SIGTERM -> SIGKILL
 constexpr auto kPollSlice = std::chrono::milliseconds(50);  // how often exits are checked while pipes are quiet
 
@@ -283,6 +310,7 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
   std::vector<std::string> args = argv;
   std::vector<char*> c_args = c_strings(args);
 
+  InterruptGuard interrupt_guard;
   Job job(options.nproc);
   for (int r = 0; r < options.nproc; ++r) {
     std::vector<std::pair<std::string, std::string>> vars = {{"RANK", std::to_string(r)},
@@ -315,6 +343,11 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
         result = exit_result(r, status);
         stop();
       }
+    }
+    if (!stopping && g_interrupted != 0) {
+      const int sig = g_interrupted;
+      result = {128 + sig, -1, "interrupted by signal " + std::to_string(sig) + ": stopped every rank"};
+      stop();
     }
     if (!stopping && job.any_running() && Clock::now() >= deadline) {
       result = timeout_result(options.timeout, job.running_ranks());

@@ -31,4 +31,27 @@ expect([shardlab, "--help"], 0, "shardlab compare")
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")
 expect([launcher, "-n", "2", "true"], 2, "--")
 expect([launcher, "-n", "2", "--", "sh", "-c", "exit $RANK"], 1, "rank 1")
+
+
+def interrupt_stops_every_rank():
+    """Ctrl-C (SIGINT) on the launcher stops the ranks (in their own process groups) and leaves none behind."""
+    global failures
+    import os, signal, time
+    marker = "sleep 61.%d" % os.getpid()  # a command line no other process has
+    p = subprocess.Popen([launcher, "-n", "2", "--", "sh", "-c", marker],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)
+    t0 = time.time()
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=20)
+    elapsed = time.time() - t0
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    ok = p.returncode == 130 and "interrupted by signal 2" in out and not left
+    print("ok  " if ok else "FAIL", f"SIGINT -> exit {p.returncode} after {elapsed:.2f} s, {len(left)} ranks left:",
+          out.strip().splitlines()[-1] if out.strip() else "")
+    if not ok:
+        failures += 1
+
+
+interrupt_stops_every_rank()
 sys.exit(1 if failures else 0)

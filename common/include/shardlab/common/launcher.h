@@ -3,7 +3,8 @@
 /// Starts N local processes the way torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 /// MASTER_PORT in their environment), forwards their output line by line tagged with the rank, and fails fast:
 /// when one rank exits non-zero or the whole job runs past its timeout, the others are killed and the result
-/// names the rank. Used by the `shardlab-run` command and by `shardlab train`.
+/// names the rank. SIGINT or SIGTERM to the launcher while it runs stops every rank the same way (exit code
+/// 128 + signal, failed_rank -1) instead of leaving them running. Used by `shardlab-run` and `shardlab train`.
 
 #include <chrono>
 #include <functional>
