@@ -26,6 +26,11 @@ NaiveDDP::~NaiveDDP() {
   }
 }
 
+at::Tensor NaiveDDP::loss(const Batch& batch) {
+  if (callback_queued_) finish_sync();  // the last backward ended early: settle what it launched
+  return module_->loss(batch);
+}
+
 void NaiveDDP::broadcast_state() {
   // TODO(stage01): broadcast every parameter and buffer from rank 0
   throw std::logic_error("not implemented: stage 01 — broadcast every parameter and buffer from rank 0");

@@ -51,7 +51,9 @@ class NaiveDDP {
   NaiveDDP& operator=(const NaiveDDP&) = delete;
 
   /// The wrapped model's mean loss on this rank's `batch`; call `.backward()` on it to train.
-  at::Tensor loss(const Batch& batch) { return module_->loss(batch); }
+  /// If the previous backward was aborted (an exception) before its end-of-backward callback ran, this first
+  /// waits for the all-reduces it had launched, so a failed step cannot leave work pending into the next one.
+  at::Tensor loss(const Batch& batch);
   /// The wrapped model (for the optimizer and for checkpoints).
   Model& module() { return *module_; }
 
