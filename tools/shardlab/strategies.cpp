@@ -62,17 +62,15 @@ class SingleDevice {
   std::shared_ptr<Model> model_;
 };
 
-double trainable_bytes(const Model& model) {
-  double bytes = 0;
-  for (const auto& p : model.parameters())
-    if (p.requires_grad()) bytes += static_cast<double>(p.numel() * p.element_size());
-  return bytes;
-}
-
-double trainable_count(const Model& model) {
-  double n = 0;
-  for (const auto& p : model.parameters()) n += p.requires_grad() ? 1 : 0;
-  return n;
+// Naive DDP's traffic: one all-reduce per trainable parameter, of its full size (an upper bound when a
+// parameter can go without a gradient in a step, as the edge model's `sometimes` does on odd steps).
+Theory per_parameter_all_reduce(const Model& model) {
+  Theory t;
+  for (const auto& p : trainable_parameters(model)) {
+    t.collectives += 1;
+    t.bytes += static_cast<double>(p.numel() * p.element_size());
+  }
+  return t;
 }
 
 }  // namespace
@@ -86,7 +84,7 @@ const std::vector<Strategy>& strategies() {
          return std::make_unique<WrappedRunner<SingleDevice>>(c, model, std::make_unique<SingleDevice>(model));
        }},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", true,
-       [](const Model& m, int) { return Theory{trainable_count(m), trainable_bytes(m)}; },
+       [](const Model& m, int) { return per_parameter_all_reduce(m); },
        [](const TrainConfig& c, Communicator* comm) -> std::unique_ptr<StepRunner> {
          auto model = make_model(c.model, c.seed);
          return std::make_unique<WrappedRunner<naive_ddp::NaiveDDP>>(
