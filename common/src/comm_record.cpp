@@ -1,6 +1,8 @@
 #include "shardlab/common/comm_record.h"
 
+#include <algorithm>
 #include <chrono>
+#include <utility>
 
 namespace shardlab {
 
@@ -37,6 +39,70 @@ size_t CommRecorder::size() const {
 void CommRecorder::clear() {
   std::lock_guard<std::mutex> lock(mu_);
   records_.clear();
+  waits_.clear();
+}
+
+void CommRecorder::record_wait(std::string what, int64_t start_ns, int64_t end_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  waits_.push_back({std::move(what), start_ns, end_ns});
+}
+
+std::vector<WaitRecord> CommRecorder::waits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waits_;
+}
+
+}  // namespace shardlab
+
+namespace shardlab {
+namespace {
+
+using Intervals = std::vector<std::pair<int64_t, int64_t>>;
+
+// Sorted, disjoint union of the given intervals clipped to [from, to).
+Intervals merged(Intervals v, int64_t from, int64_t to) {
+  Intervals clipped;
+  for (auto [a, b] : v) {
+    a = std::max(a, from);
+    b = std::min(b, to);
+    if (a < b) clipped.emplace_back(a, b);
+  }
+  std::sort(clipped.begin(), clipped.end());
+  Intervals out;
+  for (const auto& iv : clipped) {
+    if (!out.empty() && iv.first <= out.back().second)
+      out.back().second = std::max(out.back().second, iv.second);
+    else
+      out.push_back(iv);
+  }
+  return out;
+}
+
+int64_t length(const Intervals& v) {
+  int64_t n = 0;
+  for (const auto& [a, b] : v) n += b - a;
+  return n;
+}
+
+}  // namespace
+
+CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vector<WaitRecord>& waits,
+                   int64_t from_ns, int64_t to_ns) {
+  Intervals comm, wait;
+  for (const auto& r : records)
+    if (r.end_ns != 0) comm.emplace_back(r.start_ns, r.end_ns);
+  for (const auto& w : waits) wait.emplace_back(w.start_ns, w.end_ns);
+  const Intervals c = merged(std::move(comm), from_ns, to_ns), w = merged(std::move(wait), from_ns, to_ns);
+  CommTime t;
+  t.busy_ns = length(c);
+  // Two sorted disjoint lists: sweep for their intersection.
+  size_t i = 0, j = 0;
+  while (i < c.size() && j < w.size()) {
+    const int64_t a = std::max(c[i].first, w[j].first), b = std::min(c[i].second, w[j].second);
+    if (a < b) t.exposed_ns += b - a;
+    (c[i].second < w[j].second) ? ++i : ++j;
+  }
+  return t;
 }
 
 }  // namespace shardlab

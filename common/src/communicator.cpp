@@ -51,7 +51,7 @@ Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> fini
 void Handle::wait() {
   if (done_) return;
   try {
-    if (!work_->wait(timeout_)) throw std::runtime_error("the backend reported failure");
+    if (work_ && !work_->wait(timeout_)) throw std::runtime_error("the backend reported failure");
   } catch (const std::exception& e) {
     done_ = true;
     throw std::runtime_error(what_ + " failed or timed out after " + std::to_string(timeout_.count()) +
@@ -61,6 +61,17 @@ void Handle::wait() {
   done_ = true;
   finish_ = nullptr;
   work_.reset();
+}
+
+Handle Handle::then(std::function<void()> next) && {
+  std::function<void()> first = std::move(finish_);
+  auto chained = [first = std::move(first), next = std::move(next), was_done = done_] {
+    if (!was_done && first) first();
+    if (next) next();
+  };
+  Handle h(std::move(work_), std::move(chained), std::move(what_), timeout_);
+  done_ = true;
+  return h;
 }
 
 Communicator::Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,

@@ -12,7 +12,7 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
   if (!module_) throw std::invalid_argument("NaiveDDP: expected a model; got a null pointer");
   for (const auto& p : module_->parameters(/*recurse=*/true))
     if (p.requires_grad()) params_.push_back(p);
-  broadcast_state();
+  broadcast_state(*module_, comm_);
   register_hooks();
 }
 
@@ -31,12 +31,12 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
   return module_->loss(batch);
 }
 
-void NaiveDDP::broadcast_state() {
+void broadcast_state(Model& module, Communicator& comm) {
   // BEGIN SOLUTION(01): broadcast every parameter and buffer from rank 0
   // All replicas must start identical. Launch every broadcast, then wait for all of them (they overlap).
   std::vector<Handle> handles;
-  for (const auto& p : module_->parameters(/*recurse=*/true)) handles.push_back(comm_.broadcast(p.detach(), 0));
-  for (const auto& b : module_->buffers(/*recurse=*/true)) handles.push_back(comm_.broadcast(b.detach(), 0));
+  for (const auto& p : module.parameters(/*recurse=*/true)) handles.push_back(comm.broadcast(p.detach(), 0));
+  for (const auto& b : module.buffers(/*recurse=*/true)) handles.push_back(comm.broadcast(b.detach(), 0));
   for (auto& h : handles) h.wait();
   // END SOLUTION
 }
@@ -70,20 +70,22 @@ void NaiveDDP::on_gradient_ready(size_t index) {
 }
 
 void NaiveDDP::finish_sync() {
+  const int64_t start = now_ns();
   // BEGIN SOLUTION(01): wait for every all-reduce launched during this backward
   callback_queued_ = false;
   std::vector<Handle> handles = std::move(pending_);
   pending_.clear();
   for (auto& h : handles) h.wait();
   // END SOLUTION
+  comm_.recorder().record_wait("ddp sync", start, now_ns());  // exposed communication, for traces and benchmarks
 }
 
-NaiveDDP::NoSync::NoSync(NaiveDDP& ddp) : ddp_(ddp), previous_(ddp.sync_enabled_) {
+NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) {
   // BEGIN SOLUTION(01): turn gradient synchronization off for this scope
-  ddp_.sync_enabled_ = false;
+  sync_enabled_ = false;
   // END SOLUTION
 }
 
-NaiveDDP::NoSync::~NoSync() { ddp_.sync_enabled_ = previous_; }
+NoSync::~NoSync() { sync_enabled_ = previous_; }
 
 }  // namespace shardlab::naive_ddp

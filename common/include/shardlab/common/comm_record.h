@@ -31,7 +31,15 @@ struct CollectiveRecord {
   int64_t end_ns = 0;           ///< steady_clock time of completion (0 while pending)
 };
 
-/// Thread-safe append-only log of collectives. Shared by all Communicators of one rank.
+/// A span during which a rank's compute thread was blocked waiting for communication (e.g. the end-of-backward
+/// wait of a DDP wrapper). Communication inside such a span is *exposed*: nothing else ran meanwhile.
+struct WaitRecord {
+  std::string what;      ///< who waited, e.g. "ddp sync"
+  int64_t start_ns = 0;  ///< steady_clock time the wait began
+  int64_t end_ns = 0;    ///< steady_clock time it returned
+};
+
+/// Thread-safe append-only log of collectives (and of the waits for them). Shared by all Communicators of one rank.
 class CommRecorder {
  public:
   /// Appends `r` and returns its index, to be passed to `finish`.
@@ -44,15 +52,32 @@ class CommRecorder {
   std::vector<CollectiveRecord> since(size_t from) const;
   /// Number of records so far (use as a marker for `since`).
   size_t size() const;
-  /// Drops every record.
+  /// Drops every record and every wait.
   void clear();
+
+  /// Appends a wait span (see WaitRecord).
+  void record_wait(std::string what, int64_t start_ns, int64_t end_ns);
+  /// Returns a copy of all wait spans, in the order they were recorded.
+  std::vector<WaitRecord> waits() const;
 
  private:
   mutable std::mutex mu_;
   std::vector<CollectiveRecord> records_;
+  std::vector<WaitRecord> waits_;
 };
 
 /// Nanoseconds on the steady clock, the time base of CollectiveRecord.
 int64_t now_ns();
+
+/// How much of a window communication took, and how much of that nothing hid.
+struct CommTime {
+  int64_t busy_ns = 0;     ///< time at least one collective was in flight (union of their spans)
+  int64_t exposed_ns = 0;  ///< part of busy_ns during which the training thread waited (inside a WaitRecord)
+};
+
+/// Measures communication inside the window [from_ns, to_ns): spans are clipped to it; pending collectives
+/// (end 0) are ignored.
+CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vector<WaitRecord>& waits,
+                   int64_t from_ns, int64_t to_ns);
 
 }  // namespace shardlab

@@ -35,6 +35,7 @@ class Handle {
   /// An already-complete handle (for world size 1 or empty tensors).
   Handle() = default;
   /// Wraps c10d work plus a `finish` step (divide, copy back, cast) run by `wait()` on the waiting thread.
+  /// A null `work` means nothing is in flight: `wait()` only runs `finish`.
   Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> finish, std::string what,
          std::chrono::milliseconds timeout);
   /// Moves the pending collective; the source becomes a completed handle.
@@ -62,6 +63,10 @@ class Handle {
   void wait();
   /// True once `wait()` has returned (or for a default-constructed handle).
   bool done() const { return done_; }
+  /// Chains a step after this collective: the returned handle's `wait()` waits for this one, runs its own finish
+  /// step, then runs `next` on the waiting thread (e.g. a communication hook's post-divide or cast back).
+  /// Consumes this handle. On an already-complete handle, `next` runs at the returned handle's `wait()`.
+  Handle then(std::function<void()> next) &&;
 
  private:
   c10::intrusive_ptr<compat::Work> work_;
