@@ -84,6 +84,10 @@ Communicator::Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendK
       rank_(backend_->getRank()),
       size_(backend_->getSize()) {}
 
+bool Communicator::reduces_natively(c10::ScalarType dtype) const {
+  return kind_ == BackendKind::kNccl || gloo_supports(dtype);
+}
+
 void Communicator::check_tensor(const at::Tensor& t, const char* what, const char* op) const {
   auto fail = [&](const std::string& msg) {
     std::ostringstream s;

@@ -103,6 +103,11 @@ class Communicator {
   /// Shared ownership of the log (to hand to another Communicator of the same rank).
   std::shared_ptr<CommRecorder> recorder_ptr() const { return recorder_; }
 
+  /// True when this group's backend reduces `dtype` itself; false when the Communicator falls back to another
+  /// wire dtype (Gloo 1.13: bfloat16 goes as float32, see Note [Fallbacks]). Tests and reports use it to know
+  /// whether a low-precision all-reduce really halves the bytes.
+  bool reduces_natively(c10::ScalarType dtype) const;
+
   /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
   Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
   /// In-place broadcast of `t` from rank `root`.
