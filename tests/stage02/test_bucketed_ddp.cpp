@@ -149,6 +149,7 @@ TEST(AssignBuckets, DtypesNeverShareABucket) {
 
 TEST(AssignBuckets, RejectsBadOrdersAndCaps) {
   std::vector<at::Tensor> params{at::zeros({4}), at::zeros({4})};
+  EXPECT_EQ(assign_buckets(params, {1, 0}, {}), (std::vector<std::vector<size_t>>{{1, 0}})) << "a valid call works";
   EXPECT_THROW(assign_buckets(params, {0}, {}), std::invalid_argument);
   EXPECT_THROW(assign_buckets(params, {0, 0}, {}), std::invalid_argument);
   EXPECT_THROW(assign_buckets(params, {0, 2}, {}), std::invalid_argument);
@@ -389,6 +390,7 @@ TEST(BucketedDDP, NoSyncSkipsCommunicationAndFrozenParametersStayOut) {
 
 TEST(BucketedDDP, RejectsNonPositiveCaps) {
   run_ranks(1, [&](Communicator& comm) {
+    EXPECT_EQ(BucketedDDP(make_model("mlp", 1), comm, Options{}).buckets().size(), 1u) << "default caps work";
     Options options;
     options.caps.bytes = 0;
     EXPECT_THROW(BucketedDDP(make_model("mlp", 1), comm, options), std::invalid_argument);

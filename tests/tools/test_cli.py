@@ -18,7 +18,9 @@ def expect(cmd, code, needle):
         failures += 1
 
 
-expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy expects one of single|naive_ddp; got 'nope'")
+expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy expects one of single|naive_ddp|bucketed_ddp|")
+expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb expects an integer in [1, ")
+expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat expects an integer in [1, 20]; got '0'")
 expect([shardlab, "train", "--world-size", "0"], 2, "--world-size expects an integer in [1, 64]; got '0'")
 expect([shardlab, "train", "--steps", "ten"], 2, "--steps expects an integer")
 expect([shardlab, "train", "--model", "resnet"], 2, "--model expects one of mlp|tiny_gpt|edge")
@@ -26,7 +28,7 @@ expect([shardlab, "train", "--world-size", "3", "--global-batch", "16"], 2, "mus
 expect([shardlab, "train", "--strategy", "single", "--world-size", "4"], 2, "runs on one rank")
 expect([shardlab, "train", "--bogus", "1"], 2, "unknown flag '--bogus'")
 expect([shardlab, "train", "--steps"], 2, "--steps expects a value")
-expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'")
+expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected train, compare or bench")
 expect([shardlab, "--help"], 0, "shardlab compare")
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")
 expect([launcher, "-n", "2", "true"], 2, "--")

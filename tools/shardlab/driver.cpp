@@ -78,6 +78,15 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     }
   } cleanup{tmpl};
 
+  if (!o.trace_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(o.trace_dir, ec);
+    if (ec || !fs::is_directory(o.trace_dir))
+      throw std::invalid_argument("--trace expects a directory it can create or write; got '" + o.trace_dir +
+                                  "' (" + ec.message() + ")");
+    o.trace_dir = fs::absolute(o.trace_dir).string();
+  }
+
   LaunchOptions launch_options;
   launch_options.nproc = o.world_size;
   launch_options.timeout = std::chrono::seconds(o.timeout_s);
@@ -99,6 +108,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.description = strategy.description;
   r.world_size = o.world_size;
   r.train = o.train;
+  r.trace_dir = o.trace_dir;
   const ReferenceResult ref = train_reference(o.train);
   r.reference_losses = ref.losses;
   at::Tensor ref_flat = at::cat([&] {
@@ -121,6 +131,9 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.setup_collectives = text["setup_collectives"].empty() ? 0 : text["setup_collectives"][0];
       r.collectives_per_step = text["collectives"].empty() ? 0 : text["collectives"][0] / o.train.steps;
       r.bytes_per_step = text["bytes"].empty() ? 0 : text["bytes"][0] / o.train.steps;
+      r.buckets = text["buckets"].empty() ? 0 : text["buckets"][0];
+      r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / o.train.steps;
+      r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / o.train.steps;
     }
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
@@ -129,7 +142,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       throw std::runtime_error("rank " + std::to_string(rank) + " wrote parameters of another size than the model");
     r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
   }
-  const Theory theory = strategy.theory(*make_model(o.train.model, o.train.seed), o.world_size);
+  const Theory theory =
+      strategy.theory(*make_model(o.train.model, o.train.seed), o.world_size, o.strategy_options);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;
   return r;
@@ -149,9 +163,17 @@ void print_report(const RunReport& r) {
             << r.max_param_diff << "\n  collectives per step: " << r.collectives_per_step
             << " (theory " << r.collectives_per_step_theory << "), plus " << r.setup_collectives
             << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step)
-            << " (theory " << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n  median step time: "
-            << std::fixed << std::setprecision(2) << r.step_time_ms << " ms\n"
-            << std::defaultfloat;
+            << " (theory " << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n";
+  if (r.bytes_per_step != r.bytes_per_step_theory && r.strategy == "hook_bf16")
+    std::cout << "  (the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks])\n";
+  if (r.buckets > 0) std::cout << "  buckets: " << r.buckets << "\n";
+  std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
+  if (r.world_size > 1)
+    std::cout << "  communication per step: " << r.comm_busy_ms_per_step << " ms in flight, "
+              << r.exposed_comm_ms_per_step << " ms exposed (the training thread waited)\n";
+  if (!r.trace_dir.empty())
+    std::cout << "  traces: " << r.trace_dir << "/rank*.trace.json (open in chrome://tracing or ui.perfetto.dev)\n";
+  std::cout << std::defaultfloat;
 }
 
 void print_comparison(const std::vector<RunReport>& reports) {
@@ -159,18 +181,19 @@ void print_comparison(const std::vector<RunReport>& reports) {
   const auto& t = reports.front().train;
   std::cout << "\nshardlab compare: model " << t.model << ", global batch " << t.global_batch << ", " << t.steps
             << " steps, " << t.optimizer << " lr " << t.lr << ", seed " << t.seed << "\n\n";
-  std::cout << std::left << std::setw(12) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
+  std::cout << std::left << std::setw(16) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
             << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
             << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
-            << "(theory)" << std::setw(12) << "step ms" << "\n";
+            << "(theory)" << std::setw(12) << "step ms" << std::setw(13) << "exposed ms" << "\n";
   for (const auto& r : reports) {
-    std::cout << std::left << std::setw(12) << r.strategy << std::right << std::setw(6) << r.world_size
+    std::cout << std::left << std::setw(16) << r.strategy << std::right << std::setw(6) << r.world_size
               << std::fixed << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12)
               << r.reference_losses.back() << std::scientific << std::setprecision(2) << std::setw(14)
               << r.max_param_diff << std::defaultfloat << std::setw(12) << r.collectives_per_step << std::setw(10)
               << r.collectives_per_step_theory << std::setw(14) << static_cast<int64_t>(r.bytes_per_step)
               << std::setw(12) << static_cast<int64_t>(r.bytes_per_step_theory) << std::fixed
-              << std::setprecision(2) << std::setw(12) << r.step_time_ms << std::defaultfloat << "\n";
+              << std::setprecision(2) << std::setw(12) << r.step_time_ms << std::setw(13)
+              << r.exposed_comm_ms_per_step << std::defaultfloat << "\n";
   }
 }
 
@@ -204,7 +227,11 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"setup_collectives\": " << r.setup_collectives << ",\n"
       << pad << "  \"bytes_per_step\": " << r.bytes_per_step << ",\n"
       << pad << "  \"bytes_per_step_theory\": " << r.bytes_per_step_theory << ",\n"
-      << pad << "  \"step_time_ms\": " << r.step_time_ms << "\n"
+      << pad << "  \"step_time_ms\": " << r.step_time_ms << ",\n"
+      << pad << "  \"buckets\": " << r.buckets << ",\n"
+      << pad << "  \"comm_busy_ms_per_step\": " << r.comm_busy_ms_per_step << ",\n"
+      << pad << "  \"exposed_comm_ms_per_step\": " << r.exposed_comm_ms_per_step << ",\n"
+      << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n"
       << pad << "}";
 }
 

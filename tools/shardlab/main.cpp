@@ -1,6 +1,8 @@
 // shardlab: train a model on N local ranks with a chosen strategy and compare it with one device.
 //   shardlab train --strategy naive_ddp --world-size 4 --model tiny_gpt --steps 10 [--json FILE]
 //   shardlab compare --world-size 4 --model tiny_gpt
+//   shardlab bench --out docs/benchmark
+#include "bench.h"
 #include "options.h"
 #include "run.h"
 #include "strategies.h"
@@ -41,7 +43,8 @@ int main(int argc, char** argv) {
       if (!o.json.empty()) write_json(o.json, reports, true);
       return 0;
     }
-    std::cerr << "shardlab: unknown command '" << command << "'; expected train or compare\n" << usage();
+    if (command == "bench") return run_bench(args, self);
+    std::cerr << "shardlab: unknown command '" << command << "'; expected train, compare or bench\n" << usage();
     return 2;
   } catch (const std::invalid_argument& e) {
     std::cerr << "shardlab: " << e.what() << "\n";

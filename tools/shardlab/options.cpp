@@ -69,6 +69,10 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     else if (flag == "--json") o.json = v;
     else if (flag == "--timeout") o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
     else if (flag == "--result-dir") o.result_dir = v;
+    else if (flag == "--bucket-cap-kb") o.strategy_options.bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
+    else if (flag == "--first-bucket-kb") o.strategy_options.first_bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
+    else if (flag == "--trace") o.trace_dir = v;
+    else if (flag == "--threads") o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
     else throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
   const int world = o.strategy == "single" ? 1 : o.world_size;
@@ -88,7 +92,7 @@ std::vector<std::string> to_args(const RunOptions& o) {
   std::ostringstream lr;
   lr.precision(17);
   lr << o.train.lr;
-  return {"--strategy",      o.strategy,
+  std::vector<std::string> args{"--strategy",      o.strategy,
           "--world-size",    std::to_string(o.world_size),
           "--model",         o.train.model,
           "--steps",         std::to_string(o.train.steps),
@@ -97,7 +101,15 @@ std::vector<std::string> to_args(const RunOptions& o) {
           "--optimizer",     o.train.optimizer,
           "--lr",            lr.str(),
           "--micro-batches", std::to_string(o.train.micro_batches),
-          "--result-dir",    o.result_dir};
+          "--result-dir",    o.result_dir,
+          "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+          "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
+          "--threads",       std::to_string(o.threads)};
+  if (!o.trace_dir.empty()) {
+    args.push_back("--trace");
+    args.push_back(o.trace_dir);
+  }
+  return args;
 }
 
 std::string usage() {
@@ -106,6 +118,8 @@ std::string usage() {
   return "usage:\n"
          "  shardlab train   --strategy " + strategies + " [options]   train on N local ranks, compare to one device\n"
          "  shardlab compare [options]                                  every strategy side by side\n"
+         "  shardlab bench   [options] [--out PREFIX] [--no-torch]      step time, traffic and overlap of every DDP\n"
+         "                                                              strategy beside PyTorch DDP (PREFIX.json/.md)\n"
          "options:\n"
          "  --world-size N      ranks (processes)                      default 2\n"
          "  --model M           mlp|tiny_gpt|edge                      default mlp\n"
@@ -115,6 +129,10 @@ std::string usage() {
          "  --optimizer O       sgd|adamw                              default sgd\n"
          "  --lr X              learning rate                          default 0.05\n"
          "  --micro-batches M   gradient accumulation per step         default 1\n"
+         "  --bucket-cap-kb N   bucket cap after the first bucket      default 25600 (25 MiB)\n"
+         "  --first-bucket-kb N cap of the first bucket                default 1024 (1 MiB)\n"
+         "  --threads N         intra-op threads per rank (0: default) default 0\n"
+         "  --trace DIR         write DIR/rankR.trace.json (Chrome trace: chrome://tracing, ui.perfetto.dev)\n"
          "  --json FILE         also write the report as JSON\n"
          "  --timeout SECONDS   kill the run if it takes longer        default 600\n";
 }

@@ -8,6 +8,12 @@
 
 namespace shardlab::cli {
 
+/// Knobs of the DDP wrappers (ignored by strategies that have no buckets).
+struct StrategyOptions {
+  int64_t bucket_cap_bytes = int64_t{25} << 20;       ///< --bucket-cap-kb: cap of every bucket after the first
+  int64_t first_bucket_cap_bytes = int64_t{1} << 20;  ///< --first-bucket-kb: cap of the first bucket
+};
+
 /// Everything one run needs; filled from flags by parse_options.
 struct RunOptions {
   std::string strategy = "naive_ddp";  ///< see strategy_names()
@@ -16,6 +22,9 @@ struct RunOptions {
   std::string json;                    ///< --json FILE: write the report there ("" = none)
   std::string result_dir;              ///< worker only: where to write this rank's results
   int timeout_s = 600;                 ///< the launcher kills a job that runs longer
+  StrategyOptions strategy_options;    ///< bucket caps
+  std::string trace_dir;               ///< --trace DIR: one Chrome trace per rank there ("" = none)
+  int threads = 0;                     ///< --threads N: intra-op threads per rank (0 = libtorch's default)
 };
 
 /// Parses `args` (without the subcommand). `allow_strategy` is false for compare (it runs them all).

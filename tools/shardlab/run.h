@@ -23,6 +23,10 @@ struct RunReport {
   double bytes_per_step_theory = 0;
   double setup_collectives = 0;          ///< collectives at construction (broadcast of the initial state)
   double step_time_ms = 0;               ///< median over steps, rank 0
+  double buckets = 0;                    ///< gradient buckets (0: strategy without buckets)
+  double comm_busy_ms_per_step = 0;      ///< rank 0: time a collective was in flight, per step
+  double exposed_comm_ms_per_step = 0;   ///< rank 0: part of it the training thread waited for, per step
+  std::string trace_dir;                 ///< where the Chrome traces went ("" = none)
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into

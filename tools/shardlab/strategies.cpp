@@ -1,54 +1,17 @@
 #include "strategies.h"
 
+#include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/data.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include <ATen/ATen.h>
 
+#include <numeric>
 #include <stdexcept>
 
 namespace shardlab::cli {
 namespace {
-
-// Runs micro-batches and the optimizer; `Wrapper` decides how gradients are synchronized. Wrapper::no_sync() must
-// return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy.
-template <typename Wrapper>
-class WrappedRunner : public StepRunner {
- public:
-  WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper)
-      : config_(c), model_(std::move(model)), wrapper_(std::move(wrapper)),
-        optimizer_(make_optimizer(c.optimizer, trainable_parameters(*model_), c.lr)) {}
-
-  double step(const Batch& local) override {
-    optimizer_->zero_grad();
-    const int m = config_.micro_batches;
-    double loss_sum = 0;
-    auto micro = micro_batches(local, m);
-    for (int i = 0; i < m; ++i) {
-      auto run = [&] {
-        at::Tensor loss = wrapper_->loss(micro[i]) / m;
-        loss.backward();
-        loss_sum += loss.item<double>();
-      };
-      if (i + 1 < m) {
-        [[maybe_unused]] auto scope = wrapper_->no_sync();
-        run();
-      } else {
-        run();
-      }
-    }
-    optimizer_->step();
-    return loss_sum;
-  }
-
-  std::vector<at::Tensor> full_parameters() override { return model_->parameters(); }
-
- private:
-  TrainConfig config_;
-  std::shared_ptr<Model> model_;
-  std::unique_ptr<Wrapper> wrapper_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
-};
 
 // The single-device "wrapper": no communication at all.
 class SingleDevice {
@@ -62,15 +25,101 @@ class SingleDevice {
   std::shared_ptr<Model> model_;
 };
 
+size_t bucket_count(const SingleDevice&) { return 0; }
+size_t bucket_count(const naive_ddp::NaiveDDP&) { return 0; }
+size_t bucket_count(const bucketed_ddp::BucketedDDP& ddp) { return ddp.buckets().size(); }
+
+// Runs micro-batches and the optimizer; `Wrapper` decides how gradients are synchronized. Wrapper::no_sync() must
+// return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy.
+template <typename Wrapper>
+class WrappedRunner : public StepRunner {
+ public:
+  WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper)
+      : config_(c), model_(std::move(model)), wrapper_(std::move(wrapper)),
+        optimizer_(make_optimizer(c.optimizer, trainable_parameters(*model_), c.lr)) {}
+
+  double step(const Batch& local) override {
+    const int step = static_cast<int>(local.step);
+    optimizer_->zero_grad();
+    const int m = config_.micro_batches;
+    double loss_sum = 0;
+    auto micro = micro_batches(local, m);
+    for (int i = 0; i < m; ++i) {
+      auto run = [&] {
+        at::Tensor loss;
+        {
+          Timeline::Scope span(timeline_, "forward", step);
+          loss = wrapper_->loss(micro[i]) / m;
+        }
+        Timeline::Scope span(timeline_, "backward", step);
+        loss.backward();
+        loss_sum += loss.item<double>();
+      };
+      if (i + 1 < m) {
+        [[maybe_unused]] auto scope = wrapper_->no_sync();
+        run();
+      } else {
+        run();
+      }
+    }
+    Timeline::Scope span(timeline_, "optimizer", step);
+    optimizer_->step();
+    return loss_sum;
+  }
+
+  std::vector<at::Tensor> full_parameters() override { return model_->parameters(); }
+  size_t buckets() const override { return bucket_count(*wrapper_); }
+
+ private:
+  TrainConfig config_;
+  std::shared_ptr<Model> model_;
+  std::unique_ptr<Wrapper> wrapper_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+// Bytes a reduction of `numel` elements of `dtype`, compressed to `wire` (or not), sends: what the algorithm asks
+// for. (Gloo 1.13 sends bf16 as f32; the report shows the measured bytes beside this.)
+double payload_bytes(const Model& model, double bytes_per_element_scale) {
+  double bytes = 0;
+  for (const auto& p : trainable_parameters(model))
+    bytes += static_cast<double>(p.numel() * p.element_size()) * bytes_per_element_scale;
+  return bytes;
+}
+
 // Naive DDP's traffic: one all-reduce per trainable parameter, of its full size (an upper bound when a
 // parameter can go without a gradient in a step, as the edge model's `sometimes` does on odd steps).
 Theory per_parameter_all_reduce(const Model& model) {
-  Theory t;
-  for (const auto& p : trainable_parameters(model)) {
-    t.collectives += 1;
-    t.bytes += static_cast<double>(p.numel() * p.element_size());
-  }
-  return t;
+  return {static_cast<double>(trainable_parameters(model).size()), payload_bytes(model, 1.0)};
+}
+
+bucketed_ddp::Options ddp_options(const StrategyOptions& s, const std::string& model) {
+  bucketed_ddp::Options o;
+  o.caps = {s.first_bucket_cap_bytes, s.bucket_cap_bytes};
+  o.find_unused_parameters = model == "edge";  // it leaves `sometimes` without gradient on odd steps
+  return o;
+}
+
+// Bucketed DDP's traffic: one all-reduce per bucket (laid out in reverse registration order, as before the
+// rebuild; the rebuild keeps the count for these models), of the whole gradient.
+Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, double scale) {
+  const auto params = trainable_parameters(model);
+  std::vector<size_t> order(params.size());
+  std::iota(order.rbegin(), order.rend(), size_t{0});
+  const auto plan = bucketed_ddp::assign_buckets(params, order, {s.first_bucket_cap_bytes, s.bucket_cap_bytes});
+  return {static_cast<double>(plan.size()), payload_bytes(model, scale)};
+}
+
+// A strategy that runs BucketedDDP with one of stage 03's hooks ("" = stage 02's plain all-reduce of the average).
+Strategy bucketed(std::string name, std::string description, std::string hook, double scale) {
+  return {std::move(name), std::move(description), true,
+          [scale](const Model& m, int, const StrategyOptions& s) { return per_bucket_all_reduce(m, s, scale); },
+          [hook](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
+            auto model = make_model(c.model, c.seed);
+            bucketed_ddp::Options options = ddp_options(s, c.model);
+            if (!hook.empty()) options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, *comm));
+            return std::make_unique<WrappedRunner<bucketed_ddp::BucketedDDP>>(
+                c, model, std::make_unique<bucketed_ddp::BucketedDDP>(model, *comm, options));
+          }};
 }
 
 }  // namespace
@@ -78,18 +127,22 @@ Theory per_parameter_all_reduce(const Model& model) {
 const std::vector<Strategy>& strategies() {
   static const std::vector<Strategy> all{
       {"single", "one device, whole global batch (the reference)", false,
-       [](const Model&, int) { return Theory{}; },
-       [](const TrainConfig& c, Communicator*) -> std::unique_ptr<StepRunner> {
+       [](const Model&, int, const StrategyOptions&) { return Theory{}; },
+       [](const TrainConfig& c, const StrategyOptions&, Communicator*) -> std::unique_ptr<StepRunner> {
          auto model = make_model(c.model, c.seed);
          return std::make_unique<WrappedRunner<SingleDevice>>(c, model, std::make_unique<SingleDevice>(model));
        }},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", true,
-       [](const Model& m, int) { return per_parameter_all_reduce(m); },
-       [](const TrainConfig& c, Communicator* comm) -> std::unique_ptr<StepRunner> {
+       [](const Model& m, int, const StrategyOptions&) { return per_parameter_all_reduce(m); },
+       [](const TrainConfig& c, const StrategyOptions&, Communicator* comm) -> std::unique_ptr<StepRunner> {
          auto model = make_model(c.model, c.seed);
          return std::make_unique<WrappedRunner<naive_ddp::NaiveDDP>>(
              c, model, std::make_unique<naive_ddp::NaiveDDP>(model, *comm));
        }},
+      bucketed("bucketed_ddp", "stage 02: flat buckets, async all-reduce overlapped with backward", "", 1.0),
+      bucketed("hook_allreduce", "stage 03: buckets through the fp32 hook (pre/post divide)", "allreduce", 1.0),
+      bucketed("hook_fp16", "stage 03: buckets compressed to fp16 on the wire", "fp16", 0.5),
+      bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5),
   };
   return all;
 }

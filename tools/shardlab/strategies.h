@@ -2,8 +2,11 @@
 // The strategies `shardlab train` and `shardlab compare` know. Extension point: a later stage adds one entry to
 // strategies() in strategies.cpp (a name, a theory of its traffic, and a factory for its StepRunner).
 
+#include "options.h"
+
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/reference.h"
+#include "shardlab/common/trace.h"
 
 #include <functional>
 #include <memory>
@@ -21,6 +24,13 @@ class StepRunner {
   virtual double step(const Batch& local) = 0;
   /// Every parameter of the full model (registration order), as a single device would hold it.
   virtual std::vector<at::Tensor> full_parameters() = 0;
+  /// Number of gradient buckets (0 for strategies without buckets).
+  virtual size_t buckets() const { return 0; }
+  /// Where step() records its forward, backward and optimizer spans (null: nowhere).
+  void set_timeline(Timeline* timeline) { timeline_ = timeline; }
+
+ protected:
+  Timeline* timeline_ = nullptr;  ///< see set_timeline
 };
 
 /// What a strategy should send per step, in theory.
@@ -35,9 +45,9 @@ struct Strategy {
   std::string description;  ///< one line for the report
   bool distributed;         ///< false: runs on one rank without communication
   /// Expected traffic for `model` (built from the same config) on `world` ranks.
-  std::function<Theory(const Model& model, int world)> theory;
+  std::function<Theory(const Model& model, int world, const StrategyOptions&)> theory;
   /// Builds the runner; `comm` is null when !distributed.
-  std::function<std::unique_ptr<StepRunner>(const TrainConfig&, Communicator*)> make;
+  std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, Communicator*)> make;
 };
 
 /// Every strategy built so far, in course order.

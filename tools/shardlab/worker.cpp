@@ -5,6 +5,7 @@
 #include "shardlab/common/process_group.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,11 +25,15 @@ int run_worker(const RunOptions& o) {
     rank = comm->rank();
     world = comm->size();
   }
-  auto runner = strategy.make(o.train, comm.get());
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  auto runner = strategy.make(o.train, o.strategy_options, comm.get());
+  Timeline timeline;
+  runner->set_timeline(&timeline);
   const size_t setup = comm ? comm->recorder().size() : 0;
   auto data = make_dataset(o.train.model, o.train.seed);
 
   std::vector<double> losses, step_ms;
+  const int64_t first_step_ns = now_ns();
   for (int step = 0; step < o.train.steps; ++step) {
     Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world);
     const auto t0 = std::chrono::steady_clock::now();
@@ -36,6 +41,8 @@ int run_worker(const RunOptions& o) {
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (rank == 0) std::cout << "@@progress " << step + 1 << " " << o.train.steps << " " << losses.back() << std::endl;
   }
+
+  const int64_t last_step_ns = now_ns();
 
   // Results: a small text file, and the parameters as raw float64 (the driver knows the shapes).
   const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
@@ -45,14 +52,29 @@ int run_worker(const RunOptions& o) {
   for (double l : losses) out << ' ' << l;
   out << "\nstep_ms";
   for (double t : step_ms) out << ' ' << t;
-  double collectives = 0, bytes = 0;
+  // Broadcasts after construction (stage 02's one-time bucket rebuild) count as setup, not as per-step traffic.
+  double collectives = 0, bytes = 0, setup_collectives = static_cast<double>(setup);
+  CommTime comm_ns;
   if (comm) {
-    for (const auto& r : comm->recorder().since(setup)) {
+    const auto records = comm->recorder().since(setup);
+    for (const auto& r : records) {
+      if (r.op == "broadcast") {
+        setup_collectives += 1;
+        continue;
+      }
       collectives += 1;
       bytes += static_cast<double>(r.bytes);
     }
+    comm_ns = comm_time(records, comm->recorder().waits(), first_step_ns, last_step_ns);
   }
-  out << "\nsetup_collectives " << setup << "\ncollectives " << collectives << "\nbytes " << bytes << "\n";
+  out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
+      << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms " << comm_ns.exposed_ns / 1e6
+      << "\nbuckets " << runner->buckets() << "\n";
+  if (!o.trace_dir.empty()) {
+    write_chrome_trace(o.trace_dir + "/rank" + std::to_string(rank) + ".trace.json", rank, timeline.spans(),
+                       comm ? comm->recorder().snapshot() : std::vector<CollectiveRecord>{},
+                       comm ? comm->recorder().waits() : std::vector<WaitRecord>{});
+  }
   std::ofstream params(prefix + ".params", std::ios::binary);
   for (const auto& p : runner->full_parameters()) {
     at::Tensor flat = p.detach().to(at::kDouble).contiguous().view({-1});

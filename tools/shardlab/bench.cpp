@@ -1,0 +1,255 @@
+#include "bench.h"
+
+#include "run.h"
+#include "strategies.h"
+
+#include "shardlab/common/launcher.h"
+#include "shardlab/common/model.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <regex>
+#include <sstream>
+#include <stdexcept>
+
+#ifndef SHARDLAB_TORCH_DDP_SCRIPT
+#define SHARDLAB_TORCH_DDP_SCRIPT ""
+#endif
+
+namespace shardlab::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The strategies the benchmark compares (the ones with communication).
+const std::vector<std::string> kStrategies{"naive_ddp", "bucketed_ddp", "hook_allreduce", "hook_fp16", "hook_bf16"};
+
+struct BenchOptions {
+  RunOptions run;
+  std::string out;                               // PREFIX for PREFIX.json / PREFIX.md ("" = print only)
+  std::string python = "/usr/bin/python3";       // Debian's python3-torch lives there
+  std::string torch_script = SHARDLAB_TORCH_DDP_SCRIPT;
+  bool torch = true;
+  int repeat = 3;                                // each figure: best median of this many runs
+};
+
+BenchOptions parse_bench(const std::vector<std::string>& args) {
+  BenchOptions b;
+  // The benchmark's defaults: the tiny GPT on 2 ranks, one thread each (2 ranks on 2 cores), 30 steps.
+  std::vector<std::string> rest{"--model", "tiny_gpt", "--world-size", "2", "--steps", "30", "--global-batch", "16",
+                                "--threads", "1"};
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> const std::string& {
+      if (i + 1 >= args.size()) throw std::invalid_argument(a + " expects a value; got nothing");
+      return args[++i];
+    };
+    if (a == "--out") b.out = value();
+    else if (a == "--python") b.python = value();
+    else if (a == "--torch-script") b.torch_script = value();
+    else if (a == "--no-torch") b.torch = false;
+    else if (a == "--repeat") {
+      const std::string& v = value();
+      b.repeat = std::atoi(v.c_str());
+      if (b.repeat < 1 || b.repeat > 20 || v.find_first_not_of("0123456789") != std::string::npos)
+        throw std::invalid_argument("--repeat expects an integer in [1, 20]; got '" + v + "'");
+    } else {
+      rest.push_back(a);
+    }
+  }
+  b.run = parse_options(rest, /*allow_strategy=*/false);
+  return b;
+}
+
+// PyTorch's DDP on the same model shape: tools/bench/torch_ddp.py under our launcher (torchrun's environment).
+struct TorchResult {
+  bool ok = false;
+  std::string why;  // when !ok
+  double step_ms = 0, param_count = 0, buckets = 0;
+  std::string version;
+};
+
+double json_number(const std::string& text, const std::string& key) {
+  std::smatch m;
+  if (std::regex_search(text, m, std::regex("\"" + key + "\"\\s*:\\s*([-0-9.eE+]+)"))) return std::stod(m[1]);
+  return NAN;
+}
+
+TorchResult run_torch(const BenchOptions& b) {
+  TorchResult t;
+  if (b.torch_script.empty() || !fs::exists(b.torch_script)) {
+    t.why = "script not found: '" + b.torch_script + "' (pass --torch-script PATH)";
+    return t;
+  }
+  char tmpl[] = "/tmp/shardlab-bench-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("cannot create a temporary directory under /tmp");
+  const std::string json = std::string(tmpl) + "/torch.json";
+  const auto& o = b.run;
+  std::vector<std::string> argv{b.python, b.torch_script, "--steps", std::to_string(o.train.steps),
+                                "--global-batch", std::to_string(o.train.global_batch),
+                                "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+                                "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
+                                "--threads", std::to_string(o.threads > 0 ? o.threads : 1), "--json", json};
+  LaunchOptions lo;
+  lo.nproc = o.world_size;
+  lo.timeout = std::chrono::seconds(o.timeout_s);
+  std::string last;
+  const LaunchResult r = launch(lo, argv, [&](int rank, const std::string& line) {
+    last = "[rank " + std::to_string(rank) + "] " + line;
+  });
+  std::ifstream in(json);
+  std::stringstream text;
+  text << in.rdbuf();
+  fs::remove_all(tmpl);
+  if (r.exit_code != 0 || text.str().empty()) {
+    t.why = "PyTorch DDP run failed (" + r.message + "): " + last;
+    return t;
+  }
+  t.ok = true;
+  t.step_ms = json_number(text.str(), "median_step_ms");
+  t.param_count = json_number(text.str(), "param_count");
+  t.buckets = json_number(text.str(), "num_buckets");
+  std::smatch m;
+  const std::string s = text.str();
+  if (std::regex_search(s, m, std::regex("\"torch_version\"\\s*:\\s*\"([^\"]*)\""))) t.version = m[1];
+  return t;
+}
+
+struct Row {
+  RunReport report;  // the run with the best (lowest) median step time
+};
+
+std::string fmt(double v, int precision) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(precision) << v;
+  return s.str();
+}
+
+}  // namespace
+
+int run_bench(const std::vector<std::string>& args, const std::string& self_exe) {
+  const BenchOptions b = parse_bench(args);
+  const auto& o = b.run;
+  std::vector<RunReport> rows;
+  for (const auto& name : kStrategies) {
+    RunReport best;
+    for (int k = 0; k < b.repeat; ++k) {
+      RunOptions each = o;
+      each.strategy = name;
+      RunReport r = run_strategy(each, self_exe);
+      if (k == 0 || r.step_time_ms < best.step_time_ms) best = r;
+    }
+    rows.push_back(best);
+  }
+  TorchResult torch;
+  if (b.torch) {
+    for (int k = 0; k < b.repeat; ++k) {
+      std::fprintf(stderr, "pytorch_ddp  run %d/%d\n", k + 1, b.repeat);
+      TorchResult t = run_torch(b);
+      if (!t.ok) {
+        torch = t;
+        break;
+      }
+      if (!torch.ok || t.step_ms < torch.step_ms) torch = t;
+    }
+  } else {
+    torch.why = "skipped (--no-torch)";
+  }
+  int64_t params = 0;
+  for (const auto& p : trainable_parameters(*make_model(o.train.model, o.train.seed))) params += p.numel();
+  if (torch.ok && static_cast<int64_t>(torch.param_count) != params) {
+    torch.ok = false;
+    torch.why = "PyTorch model has " + std::to_string(static_cast<int64_t>(torch.param_count)) +
+                " parameters, shardlab's " + std::to_string(params) + ": not the same shape, no ratio";
+  }
+
+  // The table (also the markdown file).
+  std::ostringstream md;
+  md << "| strategy | step ms | vs PyTorch DDP | collectives/step | bytes/step | buckets | comm ms/step | exposed "
+        "ms/step | exposed % of comm | max abs param diff |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  auto pct = [](double a, double b) { return b > 0 ? 100.0 * a / b : 0.0; };
+  for (const auto& r : rows) {
+    md << "| " << r.strategy << " | " << fmt(r.step_time_ms, 2) << " | "
+       << (torch.ok ? fmt(r.step_time_ms / torch.step_ms, 2) + "x" : "n/a") << " | " << r.collectives_per_step
+       << " | " << static_cast<int64_t>(r.bytes_per_step) << " | " << r.buckets << " | "
+       << fmt(r.comm_busy_ms_per_step, 2) << " | " << fmt(r.exposed_comm_ms_per_step, 2) << " | "
+       << fmt(pct(r.exposed_comm_ms_per_step, r.comm_busy_ms_per_step), 0) << " % | " << r.max_param_diff << " |\n";
+  }
+  if (torch.ok)
+    md << "| pytorch_ddp (" << torch.version << ") | " << fmt(torch.step_ms, 2) << " | 1.00x | | | "
+       << (std::isnan(torch.buckets) ? std::string("") : fmt(torch.buckets, 0)) << " | | | | |\n";
+
+  // Targets (issue 3): each says met or by how much it was missed.
+  const RunReport* naive = &rows[0];
+  const RunReport* bucketed = &rows[1];
+  std::ostringstream targets;
+  if (torch.ok) {
+    const double ratio = bucketed->step_time_ms / torch.step_ms;
+    targets << "- bucketed DDP step time / PyTorch DDP = " << fmt(ratio, 2) << " (target <= 0.90): "
+            << (ratio <= 0.9 ? "met" : "MISSED by " + fmt(ratio - 0.9, 2)) << "\n";
+  } else {
+    targets << "- bucketed DDP vs PyTorch DDP: no figure, " << torch.why << "\n";
+  }
+  const double exposed = pct(bucketed->exposed_comm_ms_per_step, bucketed->comm_busy_ms_per_step);
+  targets << "- bucketed DDP exposed communication = " << fmt(exposed, 0) << " % of its communication time (target "
+          << "<= 25 %): " << (exposed <= 25 ? "met" : "MISSED by " + fmt(exposed - 25, 0) + " points") << "\n";
+  const double fewer = bucketed->collectives_per_step > 0 ? naive->collectives_per_step / bucketed->collectives_per_step : 0;
+  const double faster = bucketed->step_time_ms > 0 ? naive->step_time_ms / bucketed->step_time_ms : 0;
+  targets << "- naive vs bucketed: " << fmt(fewer, 1) << "x fewer collectives (target >= 2x): "
+          << (fewer >= 2 ? "met" : "MISSED") << "; naive step / bucketed step = " << fmt(faster, 2)
+          << " (target > 1): " << (faster > 1 ? "met" : "MISSED") << "\n";
+
+  std::ostringstream head;
+  head << "model " << o.train.model << " (" << params << " parameters), world size " << o.world_size
+       << " (processes, Gloo on CPU), global batch " << o.train.global_batch << ", " << o.train.steps
+       << " steps, sgd, " << (o.threads > 0 ? std::to_string(o.threads) : std::string("default")) << " thread(s) per rank, "
+       << "bucket caps " << o.strategy_options.first_bucket_cap_bytes / 1024 << " KiB first, "
+       << o.strategy_options.bucket_cap_bytes / 1024 << " KiB then; each figure is the best median step time of "
+       << b.repeat << " runs";
+  std::cout << "\nshardlab bench: " << head.str() << "\n\n" << md.str() << "\n" << targets.str();
+
+  if (!b.out.empty()) {
+    auto write = [](const std::string& path, const std::string& text) {
+      const std::string tmp = path + ".tmp";
+      {
+        std::ofstream f(tmp);
+        f << text;
+        if (!f) throw std::runtime_error("cannot write '" + path + "'");
+      }
+      fs::rename(tmp, path);
+    };
+    std::ostringstream doc;
+    doc << "# Benchmark: shardlab's DDP strategies beside PyTorch DDP\n\nGenerated by `shardlab bench --out "
+        << b.out << "` (see README). " << head.str() << ". Machine: " << sysconf(_SC_NPROCESSORS_ONLN)
+        << " CPU cores.\n\n" << md.str() << "\nTargets:\n\n" << targets.str()
+        << "\n*Exposed* communication is the time the training thread waited for collectives at the end of "
+           "backward (nothing hid it), as a share of the time any collective was in flight. Step times are medians "
+           "over the steps of one run (the first steps included).\n";
+    write(b.out + ".md", doc.str());
+    // JSON: the per-strategy reports plus the PyTorch figure.
+    const std::string reports = b.out + ".runs.json";
+    write_json(reports, rows, true);
+    std::ifstream in(reports);
+    std::stringstream runs;
+    runs << in.rdbuf();
+    fs::remove(reports);
+    std::ostringstream json;
+    json.precision(17);
+    json << "{\n  \"pytorch_ddp\": {\"ok\": " << (torch.ok ? "true" : "false") << ", \"median_step_ms\": "
+         << (torch.ok ? torch.step_ms : 0.0) << ", \"torch_version\": \"" << torch.version << "\"},\n"
+         << "  \"repeat\": " << b.repeat << ",\n  \"threads\": " << o.threads << ",\n  \"strategies\": " << runs.str()
+         << "}\n";
+    write(b.out + ".json", json.str());
+    std::cout << "\nwrote " << b.out << ".md and " << b.out << ".json\n";
+  }
+  return 0;
+}
+
+}  // namespace shardlab::cli
