@@ -42,9 +42,11 @@ struct BenchOptions {
 
 BenchOptions parse_bench(const std::vector<std::string>& args) {
   BenchOptions b;
-  // The benchmark's defaults: the tiny GPT on 2 ranks, one thread each (2 ranks on 2 cores), 30 steps.
+  // The benchmark's defaults: the tiny GPT on 2 ranks, one thread each (2 ranks on 2 cores), 30 steps. Bucket
+  // caps scaled to the model (111 KiB of gradients; PyTorch's 25 MiB would make one bucket that can only start
+  // when backward is over): 16 KiB first, 32 KiB then, about 4 buckets. PyTorch DDP gets the same caps.
   std::vector<std::string> rest{"--model", "tiny_gpt", "--world-size", "2", "--steps", "30", "--global-batch", "16",
-                                "--threads", "1"};
+                                "--threads", "1", "--first-bucket-kb", "16", "--bucket-cap-kb", "32"};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&]() -> const std::string& {

@@ -12,7 +12,7 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
   if (!module_) throw std::invalid_argument("NaiveDDP: expected a model; got a null pointer");
   for (const auto& p : module_->parameters(/*recurse=*/true))
     if (p.requires_grad()) params_.push_back(p);
-  broadcast_state();
+  broadcast_state(*module_, comm_);
   register_hooks();
 }
 
@@ -31,7 +31,7 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
   return module_->loss(batch);
 }
 
-void NaiveDDP::broadcast_state() {
+void broadcast_state(Model& module, Communicator& comm) {
   // TODO(stage01): broadcast every parameter and buffer from rank 0
   throw std::logic_error("not implemented: stage 01 — broadcast every parameter and buffer from rank 0");
 }
@@ -47,15 +47,17 @@ void NaiveDDP::on_gradient_ready(size_t index) {
 }
 
 void NaiveDDP::finish_sync() {
+  const int64_t start = now_ns();
   // TODO(stage01): wait for every all-reduce launched during this backward
   throw std::logic_error("not implemented: stage 01 — wait for every all-reduce launched during this backward");
+  comm_.recorder().record_wait("ddp sync", start, now_ns());  // exposed communication, for traces and benchmarks
 }
 
-NaiveDDP::NoSync::NoSync(NaiveDDP& ddp) : ddp_(ddp), previous_(ddp.sync_enabled_) {
+NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) {
   // TODO(stage01): turn gradient synchronization off for this scope
   throw std::logic_error("not implemented: stage 01 — turn gradient synchronization off for this scope");
 }
 
-NaiveDDP::NoSync::~NoSync() { ddp_.sync_enabled_ = previous_; }
+NoSync::~NoSync() { sync_enabled_ = previous_; }
 
 }  // namespace shardlab::naive_ddp

@@ -29,6 +29,27 @@ struct Node;
 
 namespace shardlab::naive_ddp {
 
+/// Broadcasts every parameter (frozen ones included) and every buffer of `module` from rank 0 of `comm`, so all
+/// replicas start identical. A collective: every rank must call it with a model of the same structure.
+/// Later stages (bucketed DDP) start their replicas with it too.
+void broadcast_state(Model& module, Communicator& comm);
+
+/// RAII scope that turns a DDP wrapper's gradient synchronization off; the previous setting returns when it ends.
+/// Every DDP wrapper of the course hands one out from its `no_sync()`.
+class NoSync {
+ public:
+  /// Sets `sync_enabled` to false until destruction. `sync_enabled` must outlive the scope.
+  explicit NoSync(bool& sync_enabled);
+  /// Restores the previous setting.
+  ~NoSync();
+  NoSync(const NoSync&) = delete;
+  NoSync& operator=(const NoSync&) = delete;
+
+ private:
+  bool& sync_enabled_;
+  bool previous_;
+};
+
 /// Wraps a Model so that gradients are averaged over the ranks of a Communicator after every backward pass.
 ///
 /// Contract:
@@ -57,33 +78,12 @@ class NaiveDDP {
   /// The wrapped model (for the optimizer and for checkpoints).
   Model& module() { return *module_; }
 
-  /// RAII scope that turns gradient synchronization off; the previous setting returns when it ends.
-  class NoSync {
-   public:
-    /// Disables synchronization on `ddp` until destruction.
-    explicit NoSync(NaiveDDP& ddp);
-    ~NoSync();
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-
-   private:
-    NaiveDDP& ddp_;
-    bool previous_;
-  };
-
-  /// Skips communication for backward passes run while the returned scope lives: gradients accumulate locally
-  /// (and differ across ranks). The first backward after the scope synchronizes the accumulated gradients.
-  /// @code
-  ///   { auto scope = ddp.no_sync(); ddp.loss(mb0).backward(); }   // local accumulation
-  ///   ddp.loss(mb1).backward();                                   // accumulated grads are averaged here
-  /// @endcode
-  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
 
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
 
  private:
-  void broadcast_state();
   void register_hooks();
   void on_gradient_ready(size_t index);
   void finish_sync();

@@ -1,0 +1,330 @@
+"""Helpers shared by the shardlab notebooks: run the `shardlab` tool, read its JSON report and Chrome traces, draw
+the three figures (loss beside the reference, bytes per step beside theory, a timeline of one step).
+
+Only the tool's documented outputs are read:
+  - `shardlab train ... --json FILE`: one object (losses, reference_losses, bytes_per_step, ...);
+  - `shardlab train ... --trace DIR`: DIR/rank{r}.trace.json, Chrome trace format. Track (tid) 1 "compute" holds
+    the spans forward / backward / optimizer (args.step) and the "wait: ..." spans nested inside backward; tracks
+    2, 3, ... "comm k" hold one span per collective, from launch to completion (args: op, wire_dtype, bytes, ...).
+
+Environment:
+  SHARDLAB_BIN           the tool (default: ../build/default/bin/shardlab, relative to this directory);
+  SHARDLAB_NOTEBOOK_OUT  where runs write their JSON and traces (default: a new temporary directory).
+"""
+
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import tempfile
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+
+LABELS = {
+    "single": "single device",
+    "naive_ddp": "naive DDP",
+    "bucketed_ddp": "bucketed DDP",
+    "hook_allreduce": "hook: fp32 all-reduce",
+    "hook_fp16": "hook: fp16 compression",
+    "hook_bf16": "hook: bf16 compression",
+}
+COMPUTE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+WAIT_COLOR = "#c44e52"
+
+_workdir = None
+
+
+def tool():
+    """Path of the shardlab binary ($SHARDLAB_BIN, else the default build)."""
+    path = pathlib.Path(os.environ.get("SHARDLAB_BIN") or HERE / ".." / "build" / "default" / "bin" / "shardlab")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"shardlab tool not found at {path}. Build it (cd {REPO} && cmake --preset default && "
+            "cmake --build build/default --target shardlab) or point SHARDLAB_BIN at it.")
+    return path.resolve()
+
+
+def shown(path):
+    """`path` relative to the repository when it lies inside it (for printing)."""
+    path = pathlib.Path(path).resolve()
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def workdir():
+    """Directory the runs write into ($SHARDLAB_NOTEBOOK_OUT, else one temporary directory per kernel)."""
+    global _workdir
+    if _workdir is None:
+        out = os.environ.get("SHARDLAB_NOTEBOOK_OUT")
+        if out:
+            _workdir = pathlib.Path(out)
+            _workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            _workdir = pathlib.Path(tempfile.mkdtemp(prefix="shardlab-notebook-"))
+    return _workdir
+
+
+def tool_help():
+    return subprocess.run([str(tool()), "--help"], capture_output=True, text=True, timeout=60).stdout
+
+
+def train(strategy, *, name=None, trace=False, world_size=2, model="tiny_gpt", steps=10, global_batch=8, seed=1,
+          **flags):
+    """Runs `shardlab train --strategy STRATEGY ...` and returns its JSON report as a dict.
+
+    Extra keyword arguments become flags (bucket_cap_kb=32 -> --bucket-cap-kb 32). With trace=True the run also
+    writes Chrome traces; the report then carries "trace_dir". The command is printed so it can be rerun by hand
+    (from the directory it prints).
+    """
+    name = name or strategy
+    out = workdir()
+    args = ["train", "--strategy", strategy, "--world-size", str(world_size), "--model", model,
+            "--steps", str(steps), "--global-batch", str(global_batch), "--seed", str(seed)]
+    for key, value in flags.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    args += ["--json", f"{name}.json"]
+    if trace:
+        args += ["--trace", f"{name}.trace"]
+    print("$ shardlab " + " ".join(shlex.quote(a) for a in args))
+    proc = subprocess.run([str(tool())] + args, cwd=out, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"shardlab exited with {proc.returncode} (in {out}):\n{proc.stdout[-3000:]}"
+                           f"\n{proc.stderr[-3000:]}")
+    with open(out / f"{name}.json") as f:
+        report = json.load(f)
+    report["name"] = name
+    if trace:
+        report["trace_dir"] = str(out / f"{name}.trace")
+    return report
+
+
+def label(run):
+    return run.get("label") or LABELS.get(run["strategy"], run["strategy"])
+
+
+def max_loss_diff(run):
+    return max(abs(a - b) for a, b in zip(run["losses"], run["reference_losses"]))
+
+
+def table(runs, columns):
+    """Prints one row per run: columns is a list of (header, function of the run, format)."""
+    rows = [[label(r)] + [format(fn(r), fmt) for _, fn, fmt in columns] for r in runs]
+    heads = ["run"] + [h for h, _, _ in columns]
+    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    print(line(heads))
+    for row in rows:
+        print(line(row))
+
+
+# --- figures from the JSON report -----------------------------------------------------------------------------
+
+
+def plot_losses(runs, title="Loss per step"):
+    """Left: each run's loss (mean over ranks) over the single-device reference. Right: |loss - reference|."""
+    fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(11, 3.6))
+    steps = range(len(runs[0]["reference_losses"]))
+    ax.plot(steps, runs[0]["reference_losses"], color="black", linewidth=5, alpha=0.25,
+            label="single device (reference)")
+    for r in runs:
+        ax.plot(steps, r["losses"], marker="o", markersize=3, linewidth=1.2,
+                label=f"{label(r)}, {r['world_size']} ranks")
+        diff = [max(abs(a - b), 1e-12) for a, b in zip(r["losses"], r["reference_losses"])]
+        ax_diff.semilogy(steps, diff, marker="o", markersize=3, linewidth=1.2, label=label(r))
+    ax.set(xlabel="step", ylabel="training loss", title=title)
+    ax.legend(fontsize=8)
+    ax_diff.set(xlabel="step", ylabel="|loss - reference|", title="Distance to the reference (log scale)",
+                ylim=(1e-9, 1))
+    ax_diff.axhline(1e-4, color="gray", linestyle=":", linewidth=1)
+    ax_diff.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+
+def plot_bytes(runs, title="Bytes per step, rank 0"):
+    """Measured bytes per step (what rank 0 handed to the collectives) beside the strategy's theory."""
+    fig, ax = plt.subplots(figsize=(1.9 * len(runs) + 3, 3.6))
+    width = 0.38
+    for i, r in enumerate(runs):
+        measured, theory = r["bytes_per_step"] / 1024, r["bytes_per_step_theory"] / 1024
+        b1 = ax.bar(i - width / 2, measured, width, color="#4c72b0", label="measured" if i == 0 else None)
+        b2 = ax.bar(i + width / 2, theory, width, color="#bbbbbb", hatch="//", edgecolor="white",
+                    label="theory" if i == 0 else None)
+        ax.bar_label(b1, fmt="%.1f", fontsize=8)
+        ax.bar_label(b2, fmt="%.1f", fontsize=8)
+    names = [f"{label(r)}\n{r['collectives_per_step']:g} collectives/step" for r in runs]
+    ax.set_xticks(range(len(runs)), names, fontsize=8)
+    ax.set(ylabel="KiB per step", title=title)
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    plt.show()
+
+
+# --- Chrome traces --------------------------------------------------------------------------------------------
+
+
+class Trace:
+    """One rank's trace: its complete ("X") events and track names; times in ms from the first event."""
+
+    def __init__(self, path):
+        with open(path) as f:
+            data = json.load(f)
+        events = data["traceEvents"]
+        self.tracks = {e["tid"]: e["args"]["name"] for e in events
+                       if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        spans = [e for e in events if e.get("ph") == "X"]
+        t0 = min(e["ts"] for e in spans)
+        for e in spans:
+            e["start"] = (e["ts"] - t0) / 1e3
+            e["end"] = e["start"] + e["dur"] / 1e3
+        self.spans = sorted(spans, key=lambda e: e["start"])
+
+    def compute(self, step=None, name=None):
+        return [e for e in self.spans if e.get("cat") == "compute" and (name is None or e["name"] == name)
+                and (step is None or e.get("args", {}).get("step") == step)]
+
+    def steps(self):
+        return sorted({e["args"]["step"] for e in self.compute() if "step" in e.get("args", {})})
+
+    def window(self, step):
+        spans = self.compute(step)
+        if not spans:
+            raise ValueError(f"no compute span of step {step} in the trace")
+        return min(e["start"] for e in spans), max(e["end"] for e in spans)
+
+    def within(self, start, end, cat):
+        return [e for e in self.spans if e.get("cat") == cat and start <= e["start"] < end]
+
+
+def load_trace(run, rank=0):
+    if not run.get("trace_dir"):
+        raise ValueError(f"run {run['name']} was not traced (train(..., trace=True))")
+    return Trace(pathlib.Path(run["trace_dir"]) / f"rank{rank}.trace.json")
+
+
+def _union(intervals):
+    total, last = 0.0, None
+    for a, b in sorted(intervals):
+        if last is None or a > last:
+            total += b - a
+            last = b
+        elif b > last:
+            total += b - last
+            last = b
+    return total
+
+
+def step_summary(trace, step):
+    """What happened on this rank in one step, from the trace (times in ms)."""
+    start, end = trace.window(step)
+    backward = trace.compute(step, "backward")
+    waits = trace.within(start, end, "wait")
+    comms = trace.within(start, end, "comm")
+    all_reduces = [e for e in comms if e["name"] == "all_reduce"]
+    last_bw = backward[-1] if backward else None
+    # Backward computes gradients until the training thread starts waiting for communication (the wait span).
+    inner = [w for w in waits if last_bw and last_bw["start"] <= w["start"] <= last_bw["end"]]
+    compute_end = inner[0]["start"] if inner else (last_bw["end"] if last_bw else end)
+    return {
+        "step": step,
+        "start": start,
+        "end": end,
+        "step_ms": end - start,
+        "backward_ms": sum(e["dur"] for e in backward) / 1e3,
+        "backward_compute_end": compute_end,
+        "all_reduces": len(all_reduces),
+        "other_collectives": len(comms) - len(all_reduces),
+        "launched_during_backward": sum(1 for e in all_reduces if e["start"] <= compute_end),
+        "bytes": sum(e["args"].get("bytes", 0) for e in all_reduces),
+        "dtypes": sorted({e["args"].get("dtype") for e in all_reduces}),
+        "wire_dtypes": sorted({e["args"].get("wire_dtype") for e in all_reduces}),
+        "comm_busy_ms": _union([(max(e["start"], start), min(e["end"], end)) for e in comms]),
+        "exposed_ms": sum(e["dur"] for e in waits) / 1e3,
+        "waits_inside_backward": all(any(b["start"] <= w["start"] and w["end"] <= b["end"] + 1e-3
+                                         for b in backward) for w in waits),
+    }
+
+
+def trace_summary(run, rank=0, skip=2):
+    """Means over the steps of a traced run, skipping the first `skip` steps (setup, bucket rebuild)."""
+    trace = load_trace(run, rank)
+    steps = trace.steps()
+    rows = [step_summary(trace, s) for s in steps[skip:] or steps]
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    return {k: mean(k) for k in ("step_ms", "backward_ms", "comm_busy_ms", "exposed_ms", "all_reduces")}
+
+
+def plot_timeline(runs, step=None, rank=0, title="One training step of rank {rank}"):
+    """One axes per run: rank `rank`'s step `step` (default: the last). The top row is the training thread; below
+    it, one row per collective of the step, in launch order, each bar from launch to completion (time spent queued
+    behind earlier collectives included). Returns the step summaries (see step_summary)."""
+    runs = runs if isinstance(runs, list) else [runs]
+    traces = [load_trace(r, rank) for r in runs]
+    picked = [t.steps()[-1] if step is None else step for t in traces]
+    counts = [len(t.within(*t.window(s), "comm")) for t, s in zip(traces, picked)]
+    heights = [1.2 + 0.16 * max(n, 3) for n in counts]
+    fig_height = 1.0 + sum(heights)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, fig_height), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    summaries = []
+    longest = 0.0
+    cmap = plt.get_cmap("tab10")
+    for ax, run, trace, s in zip(axes[:, 0], runs, traces, picked):
+        info = step_summary(trace, s)
+        summaries.append(info)
+        t0, t1 = info["start"], info["end"]
+        longest = max(longest, t1 - t0)
+        comms = trace.within(t0, t1, "comm")
+        n = len(comms)
+        top = n + 1.5   # the compute row sits at y = top, collective k at y = n - k
+        for e in trace.compute(s):
+            ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (top - 0.6, 1.2),
+                           color=COMPUTE_COLORS.get(e["name"], "gray"))
+        for w in trace.within(t0, t1, "wait"):
+            ax.broken_barh([(w["start"] - t0, w["end"] - w["start"])], (top - 0.4, 0.8), facecolor=WAIT_COLOR,
+                           edgecolor="white", hatch="////")
+        ticks, names = [top], ["compute"]
+        k_reduce = 0
+        for k, e in enumerate(comms):
+            y = n - k
+            a = e.get("args", {})
+            if e["name"] == "all_reduce":
+                style = dict(facecolor=cmap(k_reduce % 10), edgecolor="black", linewidth=0.4)
+                name = f"all_reduce {k_reduce}"
+                k_reduce += 1
+            else:
+                style = dict(facecolor="lightgray", edgecolor="gray", hatch="..")
+                name = e["name"]
+            ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (y - 0.4, 0.8), **style)
+            if n <= 12:
+                ticks.append(y)
+                names.append(f"{name}: {a.get('bytes', 0) / 1024:.1f} KiB {a.get('wire_dtype', '')}")
+            elif k % 5 == 0:
+                ticks.append(y)
+                names.append(name)
+        ax.axvline(info["backward_compute_end"] - t0, color="black", linestyle="--", linewidth=0.8)
+        ax.set_yticks(ticks, names, fontsize=7)
+        ax.set_ylim(0.3, top + 0.8)
+        ax.set_title(f"{label(run)}: step {s}, {info['all_reduces']} all-reduces, "
+                     f"{info['exposed_ms']:.2f} ms waiting for communication", fontsize=9, loc="left")
+    for ax in axes[:, 0]:
+        ax.set_xlim(0, longest * 1.02)
+    axes[-1, 0].set_xlabel("ms since the step's forward began")
+    handles = [Patch(color=c, label=n) for n, c in COMPUTE_COLORS.items()]
+    handles += [Patch(facecolor=WAIT_COLOR, hatch="////", edgecolor="white", label="waiting for communication"),
+                Patch(facecolor=cmap(0), edgecolor="black", label="all_reduce, launch to done"),
+                Patch(facecolor="lightgray", edgecolor="gray", hatch="..", label="other collective"),
+                plt.Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="backward compute ends")]
+    fig.suptitle(title.format(rank=rank), fontsize=10)
+    fig.tight_layout(rect=(0, 0.45 / fig_height, 1, 1))
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    plt.show()
+    return summaries

@@ -1,0 +1,153 @@
+#pragma once
+/// @file bucketed_ddp.h
+/// Stage 02 — bucketed data parallelism: gradients in flat buckets, one asynchronous all-reduce per bucket,
+/// started during backward as soon as the bucket is complete.
+///
+/// Stage 01 sends one message per parameter (26 for the tiny GPT); every message pays a fixed latency. Here the
+/// gradients live in one flat buffer per dtype, each parameter's `.grad()` being a view into it, so a bucket is a
+/// contiguous slice that can be all-reduced as one tensor, without any copy after backward.
+///
+/// Life of one synchronized backward:
+///  1. A post-accumulate hook marks a parameter ready; when every parameter of a bucket is ready, and every
+///     earlier bucket has been launched, the bucket's all-reduce starts (buckets are launched strictly in order,
+///     so the collectives match across ranks).
+///  2. At the end of backward one queued callback launches what remains (unused parameters), waits for every
+///     bucket and leaves the averaged gradients in `.grad()`.
+///  3. The first time, the order in which gradients really became ready is recorded; at the next forward, rank 0
+///     broadcasts it and every rank rebuilds its buckets in that order (PyTorch DDP's bucket rebuild).
+///
+/// References: picotron DataParallelBucket (flat main_grad buffers, bucket manager, post-backward callback);
+/// PyTorch DDP's C++ Reducer (bucket caps, the small first bucket, rebuild from the ready order,
+/// find_unused_parameters and its "Expected to have finished reduction" error).
+
+#include "shardlab/bucketed_ddp/bucket_plan.h"
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/model.h"
+#include "shardlab/naive_ddp/naive_ddp.h"
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace shardlab::bucketed_ddp {
+
+/// Extension point (stage 03 plugs its communication hooks in here): averages one bucket's flat gradient over
+/// the group, asynchronously. Called on the backward thread the moment the bucket is ready; when the returned
+/// handle's `wait()` returns, `bucket` must hold the average over ranks, in its own dtype.
+using BucketReducer = std::function<Handle(Communicator& comm, const at::Tensor& bucket)>;
+
+/// How BucketedDDP builds and reduces its buckets.
+struct Options {
+  BucketCaps caps;                      ///< byte caps (first bucket 1 MiB, later 25 MiB by default)
+  bool find_unused_parameters = false;  ///< false: a parameter without gradient is an error naming it
+  bool rebuild_buckets = true;          ///< rebuild once from the real gradient-ready order
+  BucketReducer reducer;                ///< null: `comm.all_reduce(bucket, ReduceOp::kAvg)`
+};
+
+/// One bucket: a contiguous slice of the flat gradient buffer of its dtype.
+struct Bucket {
+  c10::ScalarType dtype;       ///< dtype of every parameter in it
+  std::vector<size_t> params;  ///< indices into BucketedDDP::parameters(), in layout order
+  int64_t offset = 0;          ///< first element of the slice in the dtype's flat buffer
+  int64_t numel = 0;           ///< elements in the slice (sum of the parameters' numel)
+  at::Tensor flat;             ///< the slice itself (a view of the buffer)
+};
+
+/// Wraps a Model so that gradients are averaged over the ranks of a Communicator, bucket by bucket, overlapped
+/// with backward.
+///
+/// Contract:
+///  - Construct on every rank with a model of the same structure; construction broadcasts every parameter and
+///    buffer from rank 0 (a collective).
+///  - Call `loss(batch)` (the forward) before each backward. After `backward()` returns outside `no_sync`, every
+///    trainable parameter's `.grad()` holds the average over ranks; it is a view into a flat buffer
+///    (`grad_buffer`). Zeroing grads in place keeps the views; if something replaces or drops a `.grad()`, the
+///    next `loss()` copies it back into its view.
+///  - Every trainable parameter must receive a gradient in every synchronized backward, unless
+///    `find_unused_parameters` is set; otherwise backward throws an error that names the parameters.
+///  - Frozen parameters (requires_grad false) never enter a bucket.
+///  - The model and the Communicator must outlive the BucketedDDP. Not copyable or movable (hooks point to it).
+class BucketedDDP {
+ public:
+  /// Broadcasts the model's state from rank 0, lays gradients out in buckets (reverse registration order) and
+  /// installs one post-accumulate hook per trainable parameter.
+  /// @throws std::invalid_argument on a null model or non-positive caps.
+  BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options = {});
+  ~BucketedDDP();
+  BucketedDDP(const BucketedDDP&) = delete;
+  BucketedDDP& operator=(const BucketedDDP&) = delete;
+
+  /// The forward: the wrapped model's mean loss on this rank's `batch`. Before it, settles a backward that ended
+  /// early, applies a pending bucket rebuild (a collective) and re-attaches gradient views; with
+  /// `find_unused_parameters`, marks the parameters the loss does not depend on as ready.
+  at::Tensor loss(const Batch& batch);
+  /// The wrapped model.
+  Model& module() { return *module_; }
+
+  /// Skips communication for backward passes run while the returned scope lives (gradient accumulation); the
+  /// first backward after it averages the accumulated gradients.
+  [[nodiscard]] naive_ddp::NoSync no_sync() { return naive_ddp::NoSync(sync_enabled_); }
+  /// True unless inside a `no_sync` scope.
+  bool sync_enabled() const { return sync_enabled_; }
+
+  /// The trainable parameters, in registration order (bucket indices refer to these).
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+  /// Their names ("block0.fc.weight").
+  const std::vector<std::string>& parameter_names() const { return names_; }
+  /// The buckets, in launch order.
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  /// The flat gradient buffer of `dtype` (undefined when no parameter has that dtype).
+  at::Tensor grad_buffer(c10::ScalarType dtype) const;
+  /// Parameter indices in the order their gradients became ready in the last synchronized backward (parameters
+  /// found unused come last).
+  const std::vector<size_t>& ready_order() const { return ready_order_; }
+  /// True once the buckets were rebuilt from a real ready order.
+  bool rebuilt() const { return rebuilt_; }
+  /// steady_clock time (now_ns) at which the last synchronized backward finished computing gradients, i.e. when
+  /// its end-of-backward callback began; an all-reduce that started earlier overlapped with backward.
+  int64_t backward_compute_end_ns() const { return compute_end_ns_; }
+
+ private:
+  void lay_out(const std::vector<size_t>& order);
+  void attach_grads();
+  void register_hooks();
+  void reset_iteration();
+  void mark_unused_from_graph(const at::Tensor& loss);
+  void on_gradient_ready(size_t index);
+  void mark_ready(size_t index);
+  void launch_ready_buckets();
+  void finish_sync();
+  void rebuild_buckets();
+  Handle reduce(const Bucket& bucket);
+
+  std::shared_ptr<Model> module_;
+  Communicator& comm_;
+  Options options_;
+  std::vector<at::Tensor> params_;  // trainable, registration order
+  std::vector<std::string> names_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks alive
+  std::map<c10::ScalarType, at::Tensor> buffers_;                     // one flat gradient buffer per dtype
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;      // parameter -> bucket
+  std::vector<size_t> missing_;        // per bucket: parameters not ready yet in this backward
+  std::vector<bool> ready_;            // per parameter, this backward
+  std::vector<Handle> handles_;        // per bucket, this backward
+  size_t next_bucket_ = 0;             // next bucket to launch
+  std::vector<size_t> ready_order_;    // this (or the last) synchronized backward
+  bool record_order_ = true;           // recording the order for the (one) rebuild
+  bool rebuild_pending_ = false;
+  bool rebuilt_ = false;
+  bool in_sync_ = false;               // a synchronized backward launched work that finish_sync has not settled
+  bool callback_queued_ = false;
+  bool sync_enabled_ = true;
+  int64_t compute_end_ns_ = 0;
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // hooks do nothing once this is gone
+};
+
+}  // namespace shardlab::bucketed_ddp

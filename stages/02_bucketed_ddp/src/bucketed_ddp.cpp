@@ -1,0 +1,213 @@
+#include "shardlab/bucketed_ddp/bucketed_ddp.h"
+
+#include "shardlab/common/compat.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <numeric>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace shardlab::bucketed_ddp {
+namespace {
+
+// The gradient slot of a parameter: `numel(sizes)` elements of `flat` starting at `offset`, shaped like the
+// parameter. It shares the buffer's storage but is not an autograd *view* of it (made with set_, not narrow/view):
+// libtorch's Optimizer::zero_grad() calls detach_() on every grad, which autograd forbids on views.
+at::Tensor grad_slot(const at::Tensor& flat, int64_t offset, c10::IntArrayRef sizes) {
+  at::Tensor slot = at::empty({0}, flat.options());
+  slot.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return slot;
+}
+
+}  // namespace
+
+BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options)
+    : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
+  if (!module_) throw std::invalid_argument("BucketedDDP: expected a model; got a null pointer");
+  if (options_.caps.first_bytes <= 0 || options_.caps.bytes <= 0)
+    throw std::invalid_argument("BucketedDDP: bucket caps must be positive; got first " +
+                                std::to_string(options_.caps.first_bytes) + " bytes, then " +
+                                std::to_string(options_.caps.bytes));
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;  // frozen: never communicated
+    params_.push_back(item.value());
+    names_.push_back(item.key());
+  }
+  naive_ddp::broadcast_state(*module_, comm_);
+  // Before any backward the best guess of the ready order is the reverse of registration (last layer first).
+  std::vector<size_t> order(params_.size());
+  std::iota(order.rbegin(), order.rend(), size_t{0});
+  lay_out(order);
+  register_hooks();
+}
+
+BucketedDDP::~BucketedDDP() {
+  // Collectives still in flight write into buffers we are about to free: finish them first.
+  for (auto& h : handles_) {
+    try {
+      h.wait();
+    } catch (...) {  // a destructor must not throw; backward reported (or will report) the error
+    }
+  }
+}
+
+at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
+  auto it = buffers_.find(dtype);
+  return it == buffers_.end() ? at::Tensor() : it->second;
+}
+
+void BucketedDDP::lay_out(const std::vector<size_t>& order) {
+  const auto groups = assign_buckets(params_, order, options_.caps);
+  std::vector<Bucket> buckets;
+  // TODO(stage02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
+  throw std::logic_error("not implemented: stage 02 — lay the gradients out as views of one flat buffer per dtype, bucket after bucket");
+  buffers_ = std::move(buffers);
+  buckets_ = std::move(buckets);
+  bucket_of_.assign(params_.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t i : buckets_[b].params) bucket_of_[i] = b;
+  reset_iteration();
+}
+
+void BucketedDDP::reset_iteration() {
+  handles_.clear();
+  handles_.resize(buckets_.size());
+  missing_.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) missing_[b] = buckets_[b].params.size();
+  ready_.assign(params_.size(), false);
+  next_bucket_ = 0;
+  in_sync_ = false;
+  callback_queued_ = false;
+}
+
+void BucketedDDP::attach_grads() {
+  // The optimizer (libtorch 2.x zero_grad) or the user may have dropped or replaced a .grad: put it back into
+  // its slot of the flat buffer, keeping its value, so buckets still see every gradient without a copy.
+  for (const auto& b : buckets_) {
+    int64_t at = 0;
+    for (size_t i : b.params) {
+      at::Tensor& grad = params_[i].mutable_grad();
+      const int64_t n = params_[i].numel();
+      if (!grad.defined() || grad.data_ptr() != b.flat.narrow(0, at, n).data_ptr()) {
+        at::Tensor view = grad_slot(b.flat, at, params_[i].sizes());
+        if (grad.defined())
+          view.copy_(grad);
+        else
+          view.zero_();
+        grad = view;
+      }
+      at += n;
+    }
+  }
+}
+
+void BucketedDDP::register_hooks() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    std::weak_ptr<int> alive = alive_;
+    accumulators_.push_back(compat::add_post_accumulate_hook(params_[i], [this, alive, i] {
+      if (!alive.expired()) on_gradient_ready(i);
+    }));
+  }
+}
+
+at::Tensor BucketedDDP::loss(const Batch& batch) {
+  if (in_sync_ || callback_queued_) {
+    // The last backward ended early (an exception), or a forward ran without backward: wait for what was
+    // launched and start afresh.
+    for (auto& h : handles_) h.wait();
+    reset_iteration();
+  }
+  if (rebuild_pending_) rebuild_buckets();
+  attach_grads();
+  at::Tensor out = module_->loss(batch);
+  if (options_.find_unused_parameters && sync_enabled_ && out.requires_grad()) mark_unused_from_graph(out);
+  return out;
+}
+
+void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
+  // A parameter the loss does not depend on has no gradient accumulator in the loss's autograd graph: walk the
+  // graph once and mark every parameter whose accumulator is not in it as ready (its bucket slot keeps what it
+  // holds: zero, or what no_sync micro-batches accumulated). Its bucket can then launch on time.
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  if (loss.grad_fn()) stack.push_back(loss.grad_fn().get());
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!seen.count(accumulators_[i].get()) && !ready_[i]) mark_ready(i);
+}
+
+void BucketedDDP::on_gradient_ready(size_t index) {
+  if (!sync_enabled_) return;  // accumulating locally (no_sync): the last micro-batch synchronizes
+  // TODO(stage02): once per backward queue finish_sync; record the ready order; mark the parameter ready
+  throw std::logic_error("not implemented: stage 02 — once per backward queue finish_sync; record the ready order; mark the parameter ready");
+}
+
+void BucketedDDP::mark_ready(size_t index) {
+  if (ready_[index])
+    throw std::logic_error("BucketedDDP: parameter '" + names_[index] +
+                           "' became ready twice in one synchronized backward; call loss() before each backward "
+                           "and run extra backward passes inside no_sync()");
+  // TODO(stage02): count the parameter off its bucket; launch buckets that are now complete
+  throw std::logic_error("not implemented: stage 02 — count the parameter off its bucket; launch buckets that are now complete");
+}
+
+void BucketedDDP::launch_ready_buckets() {
+  // TODO(stage02): launch complete buckets strictly in order, so collectives match across ranks
+  throw std::logic_error("not implemented: stage 02 — launch complete buckets strictly in order, so collectives match across ranks");
+}
+
+Handle BucketedDDP::reduce(const Bucket& bucket) {
+  if (options_.reducer) return options_.reducer(comm_, bucket.flat);
+  return comm_.all_reduce(bucket.flat, ReduceOp::kAvg);
+}
+
+void BucketedDDP::finish_sync() {
+  compute_end_ns_ = now_ns();
+  callback_queued_ = false;
+  std::vector<size_t> unused;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!ready_[i]) unused.push_back(i);
+  if (!unused.empty() && !options_.find_unused_parameters) {
+    for (auto& h : handles_) h.wait();
+    reset_iteration();
+    std::string list;
+    for (size_t i : unused) list += (list.empty() ? "'" : ", '") + names_[i] + "'";
+    throw std::runtime_error(
+        "BucketedDDP: trainable parameter(s) " + list + " received no gradient in this backward pass, so " +
+        "their buckets can never be reduced (PyTorch DDP: \"Expected to have finished reduction in the prior " +
+        "iteration\"). Make the loss depend on them, freeze them (requires_grad false), or set " +
+        "Options::find_unused_parameters = true to reduce them as zero gradients.");
+  }
+  const int64_t wait_start = now_ns();
+  // TODO(stage02): reduce the unused parameters as they are, then wait for every bucket
+  throw std::logic_error("not implemented: stage 02 — reduce the unused parameters as they are, then wait for every bucket");
+  comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
+
+  // The full order of this backward: hook order, then the parameters found unused.
+  std::vector<bool> listed(params_.size(), false);
+  for (size_t i : ready_order_) listed[i] = true;
+  for (size_t i = params_.size(); i-- > 0;)
+    if (!listed[i]) ready_order_.push_back(i);
+  if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
+  reset_iteration();
+}
+
+void BucketedDDP::rebuild_buckets() {
+  rebuild_pending_ = false;
+  rebuilt_ = true;
+  std::vector<size_t> order;
+  // TODO(stage02): rank 0 decides the order and broadcasts it; every rank lays its buckets out in it
+  throw std::logic_error("not implemented: stage 02 — rank 0 decides the order and broadcasts it; every rank lays its buckets out in it");
+  lay_out(order);
+}
+
+}  // namespace shardlab::bucketed_ddp
