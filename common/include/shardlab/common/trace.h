@@ -53,7 +53,8 @@ class Timeline {
   std::vector<TraceSpan> spans_;
 };
 
-/// Writes one rank's Chrome trace to `path` (written beside it, then renamed: never half a file).
+/// Writes one rank's Chrome trace (written beside `path`, then renamed: never half a file).
+/// @param path the file to write, e.g. "traces/rank0.trace.json".
 /// @param rank becomes the trace's process id and name ("rank r").
 /// @param compute spans of the training thread.
 /// @param collectives every collective to show (e.g. CommRecorder::snapshot()); pending ones (end 0) are skipped.

@@ -78,6 +78,12 @@ class NaiveDDP {
   /// The wrapped model (for the optimizer and for checkpoints).
   Model& module() { return *module_; }
 
+  /// Skips communication for backward passes run while the returned scope lives: gradients accumulate locally
+  /// (and differ across ranks). The first backward after the scope synchronizes the accumulated gradients.
+  /// @code
+  ///   { auto scope = ddp.no_sync(); ddp.loss(mb0).backward(); }   // local accumulation
+  ///   ddp.loss(mb1).backward();                                   // accumulated grads are averaged here
+  /// @endcode
   [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
 
   /// True unless inside a `no_sync` scope.
