@@ -49,18 +49,28 @@ Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> fini
     : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)), timeout_(timeout), done_(false) {}
 
 void Handle::wait() {
+  if (error_) std::rethrow_exception(error_);
   if (done_) return;
-  try {
-    if (work_ && !work_->wait(timeout_)) throw std::runtime_error("the backend reported failure");
-  } catch (const std::exception& e) {
-    done_ = true;
-    throw std::runtime_error(what_ + " failed or timed out after " + std::to_string(timeout_.count()) +
-                             " ms: " + e.what());
-  }
-  if (finish_) finish_();
-  done_ = true;
+  // Take everything out first: whatever happens below, the finish steps cannot run a second time.
+  auto work = std::move(work_);
+  auto finish = std::move(finish_);
   finish_ = nullptr;
-  work_.reset();
+  done_ = true;
+  try {
+    if (work && !work->wait(timeout_)) throw std::runtime_error("the backend reported failure");
+  } catch (const std::exception& e) {
+    error_ = std::make_exception_ptr(std::runtime_error(what_ + " failed or timed out after " +
+                                                        std::to_string(timeout_.count()) + " ms: " + e.what()));
+    std::rethrow_exception(error_);
+  }
+  if (finish) {
+    try {
+      finish();
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+  }
 }
 
 Handle Handle::then(std::function<void()> next) && {
@@ -70,6 +80,7 @@ Handle Handle::then(std::function<void()> next) && {
     if (next) next();
   };
   Handle h(std::move(work_), std::move(chained), std::move(what_), timeout_);
+  h.error_ = std::move(error_);
   done_ = true;
   return h;
 }

@@ -171,3 +171,31 @@ TEST(Collectives, RunRanksNamesTheFailingRank) {
 
 }  // namespace
 }  // namespace shardlab
+
+namespace shardlab {
+namespace {
+
+// Handle: finish steps run exactly once, even when one throws, and a failure is never reported as success later.
+TEST(Handle, FinishStepsRunOnceAndAFailureSticks) {
+  int first = 0, second = 0;
+  Handle h(c10::intrusive_ptr<compat::Work>(), [&] { ++first; }, "test op", std::chrono::milliseconds(1000));
+  Handle chained = std::move(h).then([&] {
+    ++second;
+    throw std::runtime_error("post step failed");
+  });
+  EXPECT_TRUE(h.done()) << "then() consumes the handle";
+  EXPECT_THROW(chained.wait(), std::runtime_error);
+  EXPECT_THROW(chained.wait(), std::runtime_error) << "a failed handle keeps failing";
+  EXPECT_EQ(first, 1);
+  EXPECT_EQ(second, 1) << "finish steps never run twice";
+  int later = 0;
+  Handle done;
+  Handle after_done = std::move(done).then([&] { ++later; });
+  EXPECT_EQ(later, 0) << "the step runs at wait(), not at then()";
+  after_done.wait();
+  after_done.wait();
+  EXPECT_EQ(later, 1);
+}
+
+}  // namespace
+}  // namespace shardlab

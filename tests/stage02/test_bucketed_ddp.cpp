@@ -7,6 +7,7 @@
 #include "shardlab/common/thread_ranks.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
@@ -235,21 +236,25 @@ TEST(BucketedDDP, FirstBucketStartsBeforeBackwardEnds) {
   }, test_group());
 }
 
-// A model whose registration order differs from its use order: registered a, b, c; used c -> a -> b. Backward
-// therefore makes b's gradients ready first, then a's, then c's — not the reverse of registration (c, b, a).
+// A model whose registration order differs from its use order: registered a, b, c; used c -> a -> b (or, with
+// `other`, a -> c -> b). Backward makes b's gradients ready first, then a's, then c's (or c's, then a's) — not the
+// reverse of registration (c, b, a).
 class Shuffled : public Model {
  public:
-  Shuffled() {
+  explicit Shuffled(bool other) : other_(other) {
     a_ = register_module("a", torch::nn::Linear(8, 8));
     b_ = register_module("b", torch::nn::Linear(8, 8));
     c_ = register_module("c", torch::nn::Linear(8, 8));
   }
   at::Tensor loss(const Batch& batch) override {
-    at::Tensor h = b_->forward(at::relu(a_->forward(at::relu(c_->forward(batch.input)))));
+    auto& first = other_ ? a_ : c_;
+    auto& second = other_ ? c_ : a_;
+    at::Tensor h = b_->forward(at::relu(second->forward(at::relu(first->forward(batch.input)))));
     return at::nll_loss(at::log_softmax(h, -1), batch.target);
   }
 
  private:
+  bool other_;
   torch::nn::Linear a_{nullptr}, b_{nullptr}, c_{nullptr};
 };
 
@@ -258,13 +263,14 @@ TEST(BucketedDDP, RebuildFollowsTheGradientReadyOrderOnEveryRank) {
   std::vector<std::vector<size_t>> initial(world), ready(world), rebuilt(world);
   std::vector<std::vector<std::string>> names(world);
   run_ranks(world, [&](Communicator& comm) {
-    at::manual_seed(0);
-    auto model = std::make_shared<Shuffled>();
+    // Rank 0 uses the layers in one order, the others in another: their ready orders differ, and every rank
+    // must still adopt rank 0's.
+    auto model = std::make_shared<Shuffled>(/*other=*/comm.rank() != 0);
     Options options;
     options.caps = {200, 300};  // weight 256 B, bias 32 B: several buckets
     BucketedDDP ddp(model, comm, options);
     for (const auto& b : ddp.buckets()) initial[comm.rank()].insert(initial[comm.rank()].end(), b.params.begin(), b.params.end());
-    Batch batch{at::randn({4, 8}), at::randint(0, 8, {4}, at::kLong), 0};
+    Batch batch{at::linspace(-1, 1, 32).view({4, 8}), at::arange(4, at::kLong), 0};
     ddp.loss(batch).backward();
     ready[comm.rank()] = ddp.ready_order();
     EXPECT_FALSE(ddp.rebuilt());
@@ -278,13 +284,13 @@ TEST(BucketedDDP, RebuildFollowsTheGradientReadyOrderOnEveryRank) {
     for (size_t i : order) s += names[0][i] + " ";
     return s;
   };
-  std::cout << "initial layout: " << show(initial[0]) << "\nready order:    " << show(ready[0])
-            << "\nrebuilt layout: " << show(rebuilt[0]) << "\n";
+  std::cout << "initial layout:       " << show(initial[0]) << "\nready order, rank 0:  " << show(ready[0])
+            << "\nready order, rank 1:  " << show(ready[1]) << "\nrebuilt layout:       " << show(rebuilt[0])
+            << "\n";
   EXPECT_NE(initial[0], ready[0]) << "the test model must make the ready order differ from registration";
-  for (int r = 0; r < world; ++r) {
+  EXPECT_NE(ready[1], ready[0]) << "the test must give rank 1 another ready order than rank 0";
+  for (int r = 0; r < world; ++r)
     EXPECT_EQ(rebuilt[r], ready[0]) << "rank " << r << " lays its buckets out in rank 0's ready order";
-    EXPECT_EQ(ready[r], ready[0]) << "rank " << r;
-  }
   // b's parameters (indices 2, 3) are ready before a's (0, 1), before c's (4, 5)
   auto pos = [&](size_t i) { return std::find(ready[0].begin(), ready[0].end(), i) - ready[0].begin(); };
   EXPECT_LT(std::max(pos(2), pos(3)), std::min(pos(0), pos(1)));
@@ -318,7 +324,7 @@ TEST(BucketedDDP, GradientsAreViewsIntoTheFlatBuffer) {
       opt->zero_grad();
       ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2)).backward();
       check("after backward");
-      // the bucket really holds the averaged gradient: its slice equals the .grad views
+      // layout: bucket b's slice is exactly its parameters' gradients, in bucket order (same memory)
       for (const auto& b : ddp.buckets()) {
         int64_t at = 0;
         for (size_t i : b.params) {
@@ -338,6 +344,79 @@ TEST(BucketedDDP, GradientsAreViewsIntoTheFlatBuffer) {
     EXPECT_EQ(ddp.parameters()[0].grad().abs().sum().item<double>(), 0.0) << "a dropped grad comes back as zeros";
     EXPECT_EQ(ddp.parameters()[1].grad().sum().item<double>(), static_cast<double>(ddp.parameters()[1].numel()))
         << "a replaced grad keeps its value";
+  }, test_group());
+}
+
+// libtorch 2.x's zero_grad() drops every .grad; a user may call it between the forward and backward. The
+// gradients then arrive in new tensors, and must still be averaged (moved into their slots when they arrive).
+TEST(BucketedDDP, GradientsDroppedBetweenForwardAndBackwardAreStillAveraged) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.steps = 3;
+  c.global_batch = 8;
+  c.seed = 4;
+  const ReferenceResult ref = train_reference(c);
+  std::vector<std::vector<at::Tensor>> finals(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model(c.model, c.seed);
+    Options options;
+    options.caps = mlp_caps(3);
+    BucketedDDP ddp(model, comm, options);
+    auto data = make_dataset(c.model, c.seed);
+    auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
+    for (int step = 0; step < c.steps; ++step) {
+      at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), 2));
+      for (const auto& p : ddp.parameters()) p.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
+      loss.backward();
+      for (size_t i = 0; i < ddp.parameters().size(); ++i)
+        EXPECT_TRUE(ddp.parameters()[i].grad().is_alias_of(ddp.grad_buffer(at::kFloat))) << ddp.parameter_names()[i];
+      opt->step();
+    }
+    finals[comm.rank()] = model->parameters();
+  }, test_group());
+  for (int r = 0; r < 2; ++r) {
+    const double diff = max_abs_diff(finals[r], ref.params);
+    std::cout << "rank " << r << ": max |param - reference| = " << diff << "\n";
+    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
+  }
+}
+
+TEST(BucketedDDP, DoubleBackwardIsAnErrorThatNamesAParameter) {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model("mlp", 2);
+    BucketedDDP ddp(model, comm);
+    auto data = make_dataset("mlp", 2);
+    try {
+      ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward({}, /*retain_graph=*/true,
+                                                                               /*create_graph=*/true);
+    } catch (const std::exception& e) {
+      errors[comm.rank()] = e.what();
+    }
+  }, test_group());
+  for (int r = 0; r < 2; ++r) {
+    std::cout << "rank " << r << ": " << errors[r].substr(0, 160) << "\n";
+    EXPECT_NE(errors[r].find("create_graph"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("parameter 'fc"), std::string::npos) << errors[r];
+  }
+}
+
+// A forward without grad (evaluation) on one rank only must not issue the rebuild's broadcast.
+TEST(BucketedDDP, EvaluationForwardOnOneRankRunsNoCollective) {
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model("mlp", 3);
+    BucketedDDP ddp(model, comm);
+    auto data = make_dataset("mlp", 3);
+    ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();  // a rebuild is now pending
+    const size_t mark = comm.recorder().size();
+    if (comm.rank() == 0) {
+      at::NoGradGuard no_grad;
+      ddp.loss(data->global_batch(1, 8));
+    }
+    EXPECT_EQ(comm.recorder().size(), mark) << "no collective in an evaluation forward";
+    EXPECT_FALSE(ddp.rebuilt());
+    ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward();  // the rebuild happens here
+    EXPECT_TRUE(ddp.rebuilt());
   }, test_group());
 }
 

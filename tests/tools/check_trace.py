@@ -57,6 +57,9 @@ with tempfile.TemporaryDirectory() as tmp:
             errors.append("rank 0: all_reduce bytes in the trace differ from the report")
         first_bucket_before_end = sum(
             1 for b in backward for e in reduces if b["ts"] <= e["ts"] < b["ts"] + b["dur"])
+        if first_bucket_before_end < steps:
+            errors.append(f"rank {rank}: only {first_bucket_before_end} all-reduces started inside a backward span; "
+                          f"expected at least one per step ({steps}): buckets must launch during backward")
         print(f"rank {rank}: {len(spans)} spans ({len(compute)} compute, {len(waits)} waits, {len(comm)} comm on "
               f"{len(lanes)} lanes); {first_bucket_before_end} all-reduces started inside a backward span")
 if errors:

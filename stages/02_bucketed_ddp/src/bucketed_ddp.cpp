@@ -3,6 +3,7 @@
 #include "shardlab/common/compat.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/function.h>
 
@@ -66,6 +67,7 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   throw std::logic_error("not implemented: stage 02 — lay the gradients out as views of one flat buffer per dtype, bucket after bucket");
   buffers_ = std::move(buffers);
   buckets_ = std::move(buckets);
+  slots_ = std::move(slots);
   bucket_of_.assign(params_.size(), 0);
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (size_t i : buckets_[b].params) bucket_of_[i] = b;
@@ -84,24 +86,21 @@ void BucketedDDP::reset_iteration() {
 }
 
 void BucketedDDP::attach_grads() {
-  // The optimizer (libtorch 2.x zero_grad) or the user may have dropped or replaced a .grad: put it back into
-  // its slot of the flat buffer, keeping its value, so buckets still see every gradient without a copy.
-  for (const auto& b : buckets_) {
-    int64_t at = 0;
-    for (size_t i : b.params) {
-      at::Tensor& grad = params_[i].mutable_grad();
-      const int64_t n = params_[i].numel();
-      if (!grad.defined() || grad.data_ptr() != b.flat.narrow(0, at, n).data_ptr()) {
-        at::Tensor view = grad_slot(b.flat, at, params_[i].sizes());
-        if (grad.defined())
-          view.copy_(grad);
-        else
-          view.zero_();
-        grad = view;
-      }
-      at += n;
-    }
-  }
+  for (size_t i = 0; i < params_.size(); ++i) attach_grad(i);
+}
+
+void BucketedDDP::attach_grad(size_t i) {
+  // The optimizer (libtorch 2.x zero_grad), autograd (a backward with create_graph replaces .grad instead of
+  // adding into it) or the user may have dropped or replaced a .grad: put it back into its slot of the flat
+  // buffer, keeping its value, so the bucket sees it.
+  at::Tensor& grad = params_[i].mutable_grad();
+  const at::Tensor& slot = slots_[i];
+  if (grad.defined() && grad.data_ptr() == slot.data_ptr()) return;
+  if (grad.defined())
+    slot.copy_(grad);
+  else
+    slot.zero_();
+  grad = slot;
 }
 
 void BucketedDDP::register_hooks() {
@@ -120,17 +119,20 @@ at::Tensor BucketedDDP::loss(const Batch& batch) {
     for (auto& h : handles_) h.wait();
     reset_iteration();
   }
-  if (rebuild_pending_) rebuild_buckets();
+  // A forward without grad (evaluation, maybe on one rank only) must not run the rebuild's collective.
+  const bool training = at::GradMode::is_enabled();
+  if (rebuild_pending_ && training) rebuild_buckets();
   attach_grads();
   at::Tensor out = module_->loss(batch);
-  if (options_.find_unused_parameters && sync_enabled_ && out.requires_grad()) mark_unused_from_graph(out);
+  if (options_.find_unused_parameters && training && out.requires_grad()) mark_unused_from_graph(out);
   return out;
 }
 
 void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
   // A parameter the loss does not depend on has no gradient accumulator in the loss's autograd graph: walk the
-  // graph once and mark every parameter whose accumulator is not in it as ready (its bucket slot keeps what it
-  // holds: zero, or what no_sync micro-batches accumulated). Its bucket can then launch on time.
+  // graph once now, and mark those parameters ready when backward reaches the loss (a hook on it), not here:
+  // a collective launched in the forward could interleave differently with the user's own collectives on each
+  // rank. Their slots are reduced as they are: zero, or what no_sync micro-batches accumulated.
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   if (loss.grad_fn()) stack.push_back(loss.grad_fn().get());
@@ -141,14 +143,37 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
     for (const auto& edge : node->next_edges())
       if (edge.function) stack.push_back(edge.function.get());
   }
+  std::vector<size_t> unused;
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!seen.count(accumulators_[i].get()) && !ready_[i]) mark_ready(i);
+    if (!seen.count(accumulators_[i].get())) unused.push_back(i);
+  if (unused.empty()) return;
+  std::weak_ptr<int> alive = alive_;
+  loss.register_hook([this, alive, unused](const at::Tensor&) {
+    if (alive.expired() || !sync_enabled_) return;
+    begin_backward();
+    for (size_t i : unused)
+      if (!ready_[i]) mark_ready(i);
+  });
+}
+
+void BucketedDDP::begin_backward() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  backward_order_.clear();
+  std::weak_ptr<int> alive = alive_;
+  compat::queue_end_of_backward([this, alive] {
+    if (!alive.expired()) finish_sync();
+  });
 }
 
 void BucketedDDP::on_gradient_ready(size_t index) {
   if (!sync_enabled_) return;  // accumulating locally (no_sync): the last micro-batch synchronizes
-  // TODO(stage02): once per backward queue finish_sync; record the ready order; mark the parameter ready
-  throw std::logic_error("not implemented: stage 02 — once per backward queue finish_sync; record the ready order; mark the parameter ready");
+  if (params_[index].grad().requires_grad())
+    throw std::invalid_argument("BucketedDDP: parameter '" + names_[index] + "' got a gradient that requires grad "
+                                "(backward with create_graph = true); double backward is not supported");
+  attach_grad(index);  // a backward that replaced .grad instead of adding into it: move it into its slot
+  // TODO(stage02): once per backward queue finish_sync (begin_backward); record the ready order; mark ready
+  throw std::logic_error("not implemented: stage 02 — once per backward queue finish_sync (begin_backward); record the ready order; mark ready");
 }
 
 void BucketedDDP::mark_ready(size_t index) {
@@ -177,6 +202,9 @@ void BucketedDDP::finish_sync() {
   for (size_t i = 0; i < params_.size(); ++i)
     if (!ready_[i]) unused.push_back(i);
   if (!unused.empty() && !options_.find_unused_parameters) {
+    // Launch the remaining buckets anyway before reporting: another rank may have had every gradient and be
+    // waiting for them, and every rank must issue the same collectives to stay paired.
+    for (size_t i : unused) mark_ready(i);
     for (auto& h : handles_) h.wait();
     reset_iteration();
     std::string list;
@@ -192,11 +220,12 @@ void BucketedDDP::finish_sync() {
   throw std::logic_error("not implemented: stage 02 — reduce the unused parameters as they are, then wait for every bucket");
   comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
 
-  // The full order of this backward: hook order, then the parameters found unused.
+  // The full order of this (successful) backward: hook order, then the parameters found unused.
   std::vector<bool> listed(params_.size(), false);
-  for (size_t i : ready_order_) listed[i] = true;
+  for (size_t i : backward_order_) listed[i] = true;
   for (size_t i = params_.size(); i-- > 0;)
-    if (!listed[i]) ready_order_.push_back(i);
+    if (!listed[i]) backward_order_.push_back(i);
+  ready_order_ = backward_order_;
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
   reset_iteration();
 }

@@ -162,6 +162,10 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
   const auto dtype = input.scalar_type();
   if (!(c10::isFloatingType(dtype) || c10::isIntegralType(dtype, /*includeBool=*/false)))
     fail(std::string("expected a floating or integral (non-bool) dtype; got ") + c10::toString(dtype));
+  // Checked here, not when the bucket is launched later: by then the error would lose other inputs' callbacks.
+  if (!comm.reduces_natively(dtype) && dtype != c10::kBFloat16)
+    fail(std::string("group '") + comm.name() + "' cannot reduce dtype " + c10::toString(dtype) +
+         " (Gloo: float, double, half, bfloat16, long, int, char, byte)");
   if (input.numel() % world != 0)
     fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " +
          std::to_string(input.numel()) + " elements, not a multiple of " + std::to_string(world));

@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -44,6 +45,7 @@ class Handle {
         finish_(std::move(other.finish_)),
         what_(std::move(other.what_)),
         timeout_(other.timeout_),
+        error_(std::move(other.error_)),
         done_(std::exchange(other.done_, true)) {}
   /// Moves the pending collective; the handle overwritten must not be pending (wait for it first).
   Handle& operator=(Handle&& other) noexcept {
@@ -51,6 +53,7 @@ class Handle {
     finish_ = std::move(other.finish_);
     what_ = std::move(other.what_);
     timeout_ = other.timeout_;
+    error_ = std::move(other.error_);
     done_ = std::exchange(other.done_, true);
     return *this;
   }
@@ -58,7 +61,9 @@ class Handle {
   Handle& operator=(const Handle&) = delete;
   ~Handle() = default;
 
-  /// Blocks until the collective is complete and its result is in the caller's output tensor.
+  /// Blocks until the collective is complete and its result is in the caller's output tensor. The finish steps
+  /// run exactly once. After a failure every later `wait()` rethrows the same error (a failed collective never
+  /// looks complete).
   /// @throws std::runtime_error naming the rank, group and op if the backend failed or timed out.
   void wait();
   /// True once `wait()` has returned (or for a default-constructed handle).
@@ -73,6 +78,7 @@ class Handle {
   std::function<void()> finish_;
   std::string what_;
   std::chrono::milliseconds timeout_{0};
+  std::exception_ptr error_;
   bool done_ = true;
 };
 

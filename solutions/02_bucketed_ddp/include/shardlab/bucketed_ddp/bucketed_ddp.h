@@ -66,9 +66,12 @@ struct Bucket {
 ///  - Construct on every rank with a model of the same structure; construction broadcasts every parameter and
 ///    buffer from rank 0 (a collective).
 ///  - Call `loss(batch)` (the forward) before each backward. After `backward()` returns outside `no_sync`, every
-///    trainable parameter's `.grad()` holds the average over ranks; it is a view into a flat buffer
-///    (`grad_buffer`). Zeroing grads in place keeps the views; if something replaces or drops a `.grad()`, the
-///    next `loss()` copies it back into its view.
+///    trainable parameter's `.grad()` holds the average over ranks; it shares storage with a flat buffer
+///    (`grad_buffer`). Zeroing grads in place keeps them there; a `.grad()` that something dropped or replaced
+///    (libtorch 2.x `zero_grad`) is moved back into its slot by the next `loss()` or when its gradient arrives.
+///  - A forward under `NoGradGuard` (evaluation) runs no collective and may run on some ranks only.
+///  - Double backward (`create_graph = true`) is not supported: backward throws naming the parameter.
+///  - The trainable parameters are fixed at construction: unfreezing one later does not add it to a bucket.
 ///  - Every trainable parameter must receive a gradient in every synchronized backward, unless
 ///    `find_unused_parameters` is set; otherwise backward throws an error that names the parameters.
 ///  - Frozen parameters (requires_grad false) never enter a bucket.
@@ -104,8 +107,8 @@ class BucketedDDP {
   const std::vector<Bucket>& buckets() const { return buckets_; }
   /// The flat gradient buffer of `dtype` (undefined when no parameter has that dtype).
   at::Tensor grad_buffer(c10::ScalarType dtype) const;
-  /// Parameter indices in the order their gradients became ready in the last synchronized backward (parameters
-  /// found unused come last).
+  /// Parameter indices in the order their gradients became ready in the last synchronized backward that
+  /// completed (parameters found unused come last).
   const std::vector<size_t>& ready_order() const { return ready_order_; }
   /// True once the buckets were rebuilt from a real ready order.
   bool rebuilt() const { return rebuilt_; }
@@ -116,6 +119,8 @@ class BucketedDDP {
  private:
   void lay_out(const std::vector<size_t>& order);
   void attach_grads();
+  void attach_grad(size_t index);
+  void begin_backward();
   void register_hooks();
   void reset_iteration();
   void mark_unused_from_graph(const at::Tensor& loss);
@@ -134,12 +139,14 @@ class BucketedDDP {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks alive
   std::map<c10::ScalarType, at::Tensor> buffers_;                     // one flat gradient buffer per dtype
   std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> slots_;      // parameter -> its gradient slot in the flat buffer
   std::vector<size_t> bucket_of_;      // parameter -> bucket
   std::vector<size_t> missing_;        // per bucket: parameters not ready yet in this backward
   std::vector<bool> ready_;            // per parameter, this backward
   std::vector<Handle> handles_;        // per bucket, this backward
   size_t next_bucket_ = 0;             // next bucket to launch
-  std::vector<size_t> ready_order_;    // this (or the last) synchronized backward
+  std::vector<size_t> ready_order_;    // the last synchronized backward that completed
+  std::vector<size_t> backward_order_; // the synchronized backward running now
   bool record_order_ = true;           // recording the order for the (one) rebuild
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;

@@ -12,8 +12,9 @@
 ///    is copied into column range [offset, offset + n) of every row, so row r holds every input's chunk r side by
 ///    side and a reduce-scatter of the rows leaves, on rank r, every input's reduced chunk r side by side.
 ///  - *large input*: one whose shard exceeds the shard capacity; it is sent at once, on its own.
-///  - *in flight*: a collective launched and not yet waited for. A bucket that fills up is launched at once and
-///    gets a fresh (or recycled) buffer, so it never waits; everything is waited for in flush().
+///  - *in flight*: a collective launched and not yet waited for. A bucket that cannot take the next input is
+///    launched at once (before the input goes into a fresh or recycled buffer), so nothing waits; a bucket that
+///    is merely full waits for the next input or flush(); everything is waited for in flush().
 ///
 /// References: fairscale's ReduceScatterBucketer (fairscale/internal/reduce_scatter_bucketer.py), which is
 /// synchronous; here every launch is asynchronous and callbacks run in flush().
