@@ -63,6 +63,8 @@ at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
 void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   const auto groups = assign_buckets(params_, order, options_.caps);
   std::vector<Bucket> buckets;
+  std::map<c10::ScalarType, at::Tensor> buffers;   // dtype -> flat gradient buffer
+  std::vector<at::Tensor> slots(params_.size());   // parameter -> its gradient slot (what .grad() is)
   // BEGIN SOLUTION(02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
   // Offsets first: each bucket is a contiguous slice of its dtype's buffer, in launch order.
   std::map<c10::ScalarType, int64_t> total;
@@ -75,8 +77,6 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
     total[b.dtype] += b.numel;
     buckets.push_back(std::move(b));
   }
-  std::map<c10::ScalarType, at::Tensor> buffers;
-  std::vector<at::Tensor> slots(params_.size());
   for (const auto& [dtype, numel] : total)
     buffers[dtype] = at::zeros({numel}, params_.front().options().dtype(dtype));
   // Then each .grad becomes a view of its slot; the values it held so far move along (a rebuild can happen

@@ -63,6 +63,8 @@ at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
 void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   const auto groups = assign_buckets(params_, order, options_.caps);
   std::vector<Bucket> buckets;
+  std::map<c10::ScalarType, at::Tensor> buffers;   // dtype -> flat gradient buffer
+  std::vector<at::Tensor> slots(params_.size());   // parameter -> its gradient slot (what .grad() is)
   // TODO(stage02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
   throw std::logic_error("not implemented: stage 02 — lay the gradients out as views of one flat buffer per dtype, bucket after bucket");
   buffers_ = std::move(buffers);
