@@ -1,6 +1,9 @@
 // The libtorch-version-specific half of compat.h. Keep every #if on TORCH_VERSION_* in this file pair.
 #include "shardlab/common/compat.h"
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/optim/optimizer.h>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -67,6 +70,27 @@ std::shared_ptr<torch::autograd::Node> add_post_accumulate_hook(const at::Tensor
   std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(param);
   acc->add_post_hook(std::make_unique<CallbackPostHook>(std::move(fn)));
   return acc;
+}
+
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, int port, bool is_server, int workers,
+                                               std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = is_server;
+  options.numWorkers = workers;
+  options.timeout = timeout;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+  options.useLibUV = false;
+#endif
+  return c10::make_intrusive<c10d::TCPStore>(host, options);
+}
+
+void zero_grad(torch::optim::Optimizer& optimizer) {
+#if TORCH_VERSION_MAJOR >= 2
+  optimizer.zero_grad(/*set_to_none=*/false);
+#else
+  optimizer.zero_grad();
+#endif
 }
 
 void queue_end_of_backward(std::function<void()> fn) {

@@ -62,12 +62,8 @@ std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::S
 
 std::shared_ptr<Communicator> communicator_from_env(const GroupOptions& options) {
   const RankEnv env = RankEnv::from_environment();
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<std::uint16_t>(env.master_port);
-  store_options.isServer = env.rank == 0;
-  store_options.numWorkers = env.world_size;
-  store_options.timeout = options.timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  auto store = compat::make_tcp_store(env.master_addr, env.master_port, env.rank == 0, env.world_size,
+                                      options.timeout);
   GroupOptions opts = options;
   // Across machines Gloo must bind to an address the others can reach.
   if (env.master_addr != "127.0.0.1" && env.master_addr != "localhost" && opts.hostname == "127.0.0.1")

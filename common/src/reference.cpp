@@ -1,5 +1,7 @@
 #include "shardlab/common/reference.h"
 
+#include "shardlab/common/compat.h"
+
 #include "shardlab/common/data.h"
 
 #include <ATen/ATen.h>
@@ -33,7 +35,7 @@ ReferenceResult train_reference(const TrainConfig& config) {
   auto optimizer = make_optimizer(config.optimizer, trainable_parameters(*model), config.lr);
   ReferenceResult result;
   for (int step = 0; step < config.steps; ++step) {
-    optimizer->zero_grad();
+    compat::zero_grad(*optimizer);
     at::Tensor loss = model->loss(data->global_batch(step, config.global_batch));
     loss.backward();
     optimizer->step();

@@ -1,5 +1,6 @@
 // Stage 01 — naive DDP. N ranks (threads, real Gloo) must train exactly like one device on the union of their
 // batches, with one all-reduce per parameter gradient and none inside no_sync.
+#include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
@@ -30,7 +31,7 @@ std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
   auto data = make_dataset(c.model, c.seed);
   auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
   for (int step = 0; step < c.steps; ++step) {
-    opt->zero_grad();
+    compat::zero_grad(*opt);
     auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
                                c.micro_batches);
     for (int i = 0; i < c.micro_batches; ++i) {
@@ -148,7 +149,7 @@ TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
     const at::Tensor frozen_before = named["frozen"].detach().clone();
     auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.1);
     for (int step = 0; step < 4; ++step) {
-      opt->zero_grad();
+      compat::zero_grad(*opt);
       const size_t mark = comm.recorder().size();
       ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2)).backward();
       auto recs = comm.recorder().since(mark);

@@ -1,6 +1,7 @@
 // Stage 02 — bucketed DDP. N ranks (threads, real Gloo) must train exactly like one device, with one all-reduce
 // per bucket, the first of them started while backward is still running, and buckets rebuilt from the real
 // gradient-ready order.
+#include "shardlab/common/compat.h"
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
@@ -40,7 +41,7 @@ std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, con
   auto data = make_dataset(c.model, c.seed);
   auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
   for (int step = 0; step < c.steps; ++step) {
-    opt->zero_grad();
+    compat::zero_grad(*opt);
     auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
                                c.micro_batches);
     for (int i = 0; i < c.micro_batches; ++i) {
@@ -173,7 +174,7 @@ TEST(BucketedDDP, OneAllReducePerBucketOfTheBucketsSizeInOrder) {
     auto data = make_dataset("tiny_gpt", 3);
     auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
     for (int step = 0; step < 3; ++step) {
-      opt->zero_grad();
+      compat::zero_grad(*opt);
       const size_t mark = comm.recorder().size();
       at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2));
       const size_t after_forward = comm.recorder().size();
@@ -321,7 +322,7 @@ TEST(BucketedDDP, GradientsAreViewsIntoTheFlatBuffer) {
     };
     check("after construction");
     for (int step = 0; step < 3; ++step) {
-      opt->zero_grad();
+      compat::zero_grad(*opt);
       ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2)).backward();
       check("after backward");
       // layout: bucket b's slice is exactly its parameters' gradients, in bucket order (same memory)

@@ -1,6 +1,7 @@
 // Stage 03 — communication hooks. N ranks (threads, real Gloo): the fp32 all-reduce hook plugged into stage 02's
 // BucketedDDP must change nothing (bit for bit); the fp16 / bf16 hooks must compute exactly what their casts say,
 // train close to the fp32 single-device reference, and halve the bytes on the wire where the backend can.
+#include "shardlab/common/compat.h"
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
@@ -89,7 +90,7 @@ std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, con
   auto data = make_dataset(c.model, c.seed);
   auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
   for (int step = 0; step < c.steps; ++step) {
-    opt->zero_grad();
+    compat::zero_grad(*opt);
     auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
                                c.micro_batches);
     for (int i = 0; i < c.micro_batches; ++i) {

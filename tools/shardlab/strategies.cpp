@@ -1,5 +1,6 @@
 #include "strategies.h"
 
+#include "shardlab/common/compat.h"
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/data.h"
@@ -40,7 +41,7 @@ class WrappedRunner : public StepRunner {
 
   double step(const Batch& local) override {
     const int step = static_cast<int>(local.step);
-    optimizer_->zero_grad();
+    compat::zero_grad(*optimizer_);
     const int m = config_.micro_batches;
     double loss_sum = 0;
     auto micro = micro_batches(local, m);

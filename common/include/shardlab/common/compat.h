@@ -7,6 +7,8 @@
 ///  - 1.13: a c10d backend *is* a `c10d::ProcessGroup`; 2.x: backends derive from `c10d::Backend`.
 ///  - The signature of autograd's `FunctionPostHook`.
 ///  - Whether the CUDA/NCCL backend is compiled in (`SHARDLAB_HAS_NCCL`).
+///  - 2.x's TCPStore wants libuv by default (Debian's 2.6 is built without it).
+///  - 1.13's `Optimizer::zero_grad()` zeroes gradients in place; 2.x's sets them to None by default.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -27,6 +29,9 @@
 namespace torch::autograd {
 struct Node;
 }  // namespace torch::autograd
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
 
 namespace shardlab::compat {
 
@@ -56,6 +61,17 @@ c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& sto
 /// Creates an NCCL backend (same arguments as make_gloo). Throws std::runtime_error when `has_nccl()` is false.
 c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                       std::chrono::milliseconds timeout);
+
+/// Creates the rendezvous store of a process group: rank 0 (`is_server`) serves it at `host:port`, the others
+/// connect to it. Uses the classic TCPStore backend on every line (2.x's default libuv backend is not in every
+/// build: Debian's 2.6 has none).
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, int port, bool is_server, int workers,
+                                               std::chrono::milliseconds timeout);
+
+/// Zeroes every gradient of `optimizer` in place, keeping the tensors (1.13's `zero_grad()`; 2.x's
+/// `zero_grad(false)`). shardlab's reference and tools use it so a parameter without a gradient in a step is
+/// treated alike on every libtorch line: a zero gradient, not a skipped parameter.
+void zero_grad(torch::optim::Optimizer& optimizer);
 
 /// Calls `fn` every time autograd has accumulated a gradient into `param.grad()` (after accumulation, so the
 /// accumulated value over micro-batches is visible). The hook lives as long as the returned node: a tensor holds
