@@ -6,6 +6,8 @@
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
+#include "support/train_replica.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -23,30 +25,11 @@ GroupOptions test_group() {
   return o;
 }
 
-// One rank's training: K steps, each on this rank's slice of the global batch, split into micro-batches whose
-// first M-1 run inside no_sync. Returns the final parameters (all of them, registration order).
+// One rank's training through NaiveDDP (see test_support::train_replica); returns the final parameters.
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
   auto model = make_model(c.model, c.seed);
   NaiveDDP ddp(model, comm);
-  auto data = make_dataset(c.model, c.seed);
-  auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
-  for (int step = 0; step < c.steps; ++step) {
-    compat::zero_grad(*opt);
-    auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
-                               c.micro_batches);
-    for (int i = 0; i < c.micro_batches; ++i) {
-      if (i + 1 < c.micro_batches) {
-        auto scope = ddp.no_sync();
-        (ddp.loss(micro[i]) / c.micro_batches).backward();
-      } else {
-        (ddp.loss(micro[i]) / c.micro_batches).backward();
-      }
-    }
-    opt->step();
-  }
-  std::vector<at::Tensor> out;
-  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
-  return out;
+  return test_support::train_replica(comm, c, *model, ddp);
 }
 
 // Trains on `world` ranks and compares every rank's parameters with the single-device reference.

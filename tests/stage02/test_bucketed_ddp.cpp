@@ -7,6 +7,8 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/train_replica.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
@@ -38,26 +40,9 @@ std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, con
                                    size_t* buckets = nullptr) {
   auto model = make_model(c.model, c.seed);
   BucketedDDP ddp(model, comm, options);
-  auto data = make_dataset(c.model, c.seed);
-  auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
-  for (int step = 0; step < c.steps; ++step) {
-    compat::zero_grad(*opt);
-    auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
-                               c.micro_batches);
-    for (int i = 0; i < c.micro_batches; ++i) {
-      if (i + 1 < c.micro_batches) {
-        auto scope = ddp.no_sync();
-        (ddp.loss(micro[i]) / c.micro_batches).backward();
-      } else {
-        (ddp.loss(micro[i]) / c.micro_batches).backward();
-      }
-    }
-    opt->step();
-  }
+  auto params = test_support::train_replica(comm, c, *model, ddp);
   if (buckets) *buckets = ddp.buckets().size();
-  std::vector<at::Tensor> out;
-  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
-  return out;
+  return params;
 }
 
 struct EquivalenceCase {

@@ -7,6 +7,8 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/train_replica.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -82,30 +84,12 @@ TEST(PredivideFactor, FollowsTheSeedsRuleForWorldSizes1To16) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Training helpers (as in stage 02's tests)
+// Training helpers (the loop is test_support::train_replica, shared with stages 01 and 02)
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options) {
   auto model = make_model(c.model, c.seed);
   BucketedDDP ddp(model, comm, options);
-  auto data = make_dataset(c.model, c.seed);
-  auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
-  for (int step = 0; step < c.steps; ++step) {
-    compat::zero_grad(*opt);
-    auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
-                               c.micro_batches);
-    for (int i = 0; i < c.micro_batches; ++i) {
-      if (i + 1 < c.micro_batches) {
-        auto scope = ddp.no_sync();
-        (ddp.loss(micro[i]) / c.micro_batches).backward();
-      } else {
-        (ddp.loss(micro[i]) / c.micro_batches).backward();
-      }
-    }
-    opt->step();
-  }
-  std::vector<at::Tensor> out;
-  for (const auto& p : model->parameters()) out.push_back(p.detach().clone());
-  return out;
+  return test_support::train_replica(comm, c, *model, ddp);
 }
 
 // Trains on `world` ranks with `hook` ("" = stage 02's own all_reduce(AVG)); returns every rank's parameters.

@@ -237,27 +237,36 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
 
 }  // namespace
 
-void write_json(const std::string& path, const std::vector<RunReport>& reports, bool as_array) {
+std::string reports_json(const std::vector<RunReport>& reports, bool as_array) {
+  std::ostringstream out;
+  out.precision(17);
+  if (as_array) {
+    out << "[\n";
+    for (size_t i = 0; i < reports.size(); ++i) {
+      json_report(out, reports[i], "  ");
+      out << (i + 1 < reports.size() ? ",\n" : "\n");
+    }
+    out << "]\n";
+  } else {
+    json_report(out, reports.at(0), "");
+    out << "\n";
+  }
+  return out.str();
+}
+
+void write_file_atomically(const std::string& path, const std::string& text) {
   // Write beside the target, then rename: an existing file is only replaced by a complete one.
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp);
-    if (!out) throw std::runtime_error("cannot write --json file '" + path + "'");
-    out.precision(17);
-    if (as_array) {
-      out << "[\n";
-      for (size_t i = 0; i < reports.size(); ++i) {
-        json_report(out, reports[i], "  ");
-        out << (i + 1 < reports.size() ? ",\n" : "\n");
-      }
-      out << "]\n";
-    } else {
-      json_report(out, reports.at(0), "");
-      out << "\n";
-    }
-    if (!out) throw std::runtime_error("cannot write --json file '" + path + "'");
+    out << text;
+    if (!out) throw std::runtime_error("cannot write '" + path + "'");
   }
   fs::rename(tmp, path);
+}
+
+void write_json(const std::string& path, const std::vector<RunReport>& reports, bool as_array) {
+  write_file_atomically(path, reports_json(reports, as_array));
 }
 
 }  // namespace shardlab::cli

@@ -40,7 +40,12 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe);
 void print_report(const RunReport& r);
 /// Prints several runs side by side.
 void print_comparison(const std::vector<RunReport>& reports);
-/// Writes one report (an object) or several (an array) as JSON to `path`.
+/// The JSON text of one report (an object, `as_array` false) or several (an array).
+std::string reports_json(const std::vector<RunReport>& reports, bool as_array);
+/// Writes `text` beside `path`, then renames it there: an existing file is only ever replaced by a complete one.
+/// @throws std::runtime_error when it cannot be written.
+void write_file_atomically(const std::string& path, const std::string& text);
+/// Writes one report (an object) or several (an array) as JSON to `path`, atomically.
 void write_json(const std::string& path, const std::vector<RunReport>& reports, bool as_array);
 
 }  // namespace shardlab::cli

@@ -78,12 +78,11 @@ class WrappedRunner : public StepRunner {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 
-// Bytes a reduction of `numel` elements of `dtype`, compressed to `wire` (or not), sends: what the algorithm asks
-// for. (Gloo 1.13 sends bf16 as f32; the report shows the measured bytes beside this.)
-double payload_bytes(const Model& model, double bytes_per_element_scale) {
+// Bytes one reduction of every trainable gradient sends, `scale` times its own size (0.5 when compressed to 16
+// bits): what the algorithm asks for. (Gloo 1.13 sends bf16 as f32; the report shows the measured bytes beside.)
+double payload_bytes(const Model& model, double scale) {
   double bytes = 0;
-  for (const auto& p : trainable_parameters(model))
-    bytes += static_cast<double>(p.numel() * p.element_size()) * bytes_per_element_scale;
+  for (const auto& p : trainable_parameters(model)) bytes += static_cast<double>(p.numel() * p.element_size()) * scale;
   return bytes;
 }
 
@@ -93,9 +92,11 @@ Theory per_parameter_all_reduce(const Model& model) {
   return {static_cast<double>(trainable_parameters(model).size()), payload_bytes(model, 1.0)};
 }
 
+bucketed_ddp::BucketCaps caps(const StrategyOptions& s) { return {s.first_bucket_cap_bytes, s.bucket_cap_bytes}; }
+
 bucketed_ddp::Options ddp_options(const StrategyOptions& s, const std::string& model) {
   bucketed_ddp::Options o;
-  o.caps = {s.first_bucket_cap_bytes, s.bucket_cap_bytes};
+  o.caps = caps(s);
   o.find_unused_parameters = model == "edge";  // it leaves `sometimes` without gradient on odd steps
   return o;
 }
@@ -106,7 +107,7 @@ Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, doubl
   const auto params = trainable_parameters(model);
   std::vector<size_t> order(params.size());
   std::iota(order.rbegin(), order.rend(), size_t{0});
-  const auto plan = bucketed_ddp::assign_buckets(params, order, {s.first_bucket_cap_bytes, s.bucket_cap_bytes});
+  const auto plan = bucketed_ddp::assign_buckets(params, order, caps(s));
   return {static_cast<double>(plan.size()), payload_bytes(model, scale)};
 }
 

@@ -239,11 +239,15 @@ void BucketedDDP::finish_sync() {
   std::vector<size_t> unused;
   for (size_t i = 0; i < params_.size(); ++i)
     if (!ready_[i]) unused.push_back(i);
+  const int64_t wait_start = now_ns();
+  // Unused parameters are reduced as they are even when they are an error below: another rank may have had every
+  // gradient and be waiting for these buckets, and every rank must issue the same collectives to stay paired.
+  // BEGIN SOLUTION(02): reduce the unused parameters as they are, then wait for every bucket
+  for (size_t i : unused) mark_ready(i);
+  for (auto& h : handles_) h.wait();
+  // END SOLUTION
+  comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
   if (!unused.empty() && !options_.find_unused_parameters) {
-    // Launch the remaining buckets anyway before reporting: another rank may have had every gradient and be
-    // waiting for them, and every rank must issue the same collectives to stay paired.
-    for (size_t i : unused) mark_ready(i);
-    for (auto& h : handles_) h.wait();
     reset_iteration();
     std::string list;
     for (size_t i : unused) list += (list.empty() ? "'" : ", '") + names_[i] + "'";
@@ -253,12 +257,6 @@ void BucketedDDP::finish_sync() {
         "iteration\"). Make the loss depend on them, freeze them (requires_grad false), or set " +
         "Options::find_unused_parameters = true to reduce them as zero gradients.");
   }
-  const int64_t wait_start = now_ns();
-  // BEGIN SOLUTION(02): reduce the unused parameters as they are, then wait for every bucket
-  for (size_t i : unused) mark_ready(i);
-  for (auto& h : handles_) h.wait();
-  // END SOLUTION
-  comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
 
   // The full order of this (successful) backward: hook order, then the parameters found unused.
   std::vector<bool> listed(params_.size(), false);

@@ -1,0 +1,38 @@
+#pragma once
+// The training loop every stage's equivalence tests share: K steps of one rank's replica through a DDP wrapper,
+// on this rank's slice of each global batch, split into micro-batches of which all but the last run inside
+// no_sync(), exactly as `train_reference` does on one device with the whole batch.
+#include "shardlab/common/compat.h"
+#include "shardlab/common/data.h"
+#include "shardlab/common/reference.h"
+
+#include <vector>
+
+namespace shardlab::test_support {
+
+/// Trains `model` through `ddp` (any wrapper with `loss(Batch)` and `no_sync()`) for `c.steps` steps and returns
+/// every parameter of the model (registration order), detached copies.
+template <typename Wrapper>
+std::vector<at::Tensor> train_replica(Communicator& comm, const TrainConfig& c, Model& model, Wrapper& ddp) {
+  auto data = make_dataset(c.model, c.seed);
+  auto opt = make_optimizer(c.optimizer, trainable_parameters(model), c.lr);
+  for (int step = 0; step < c.steps; ++step) {
+    compat::zero_grad(*opt);
+    auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
+                               c.micro_batches);
+    for (int i = 0; i < c.micro_batches; ++i) {
+      if (i + 1 < c.micro_batches) {
+        auto scope = ddp.no_sync();
+        (ddp.loss(micro[i]) / c.micro_batches).backward();
+      } else {
+        (ddp.loss(micro[i]) / c.micro_batches).backward();
+      }
+    }
+    opt->step();
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : model.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+}  // namespace shardlab::test_support
