@@ -26,6 +26,8 @@ Batch Batch::slice(int64_t start, int64_t length) const {
   return Batch{input.narrow(0, start, length), target.narrow(0, start, length), step};
 }
 
+Batch Batch::to(const c10::Device& device) const { return Batch{input.to(device), target.to(device), step}; }
+
 void init_parameters(torch::nn::Module& module, uint64_t seed) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   torch::NoGradGuard no_grad;

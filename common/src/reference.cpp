@@ -3,6 +3,7 @@
 #include "shardlab/common/compat.h"
 
 #include "shardlab/common/data.h"
+#include "shardlab/common/device.h"
 
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
@@ -30,20 +31,22 @@ std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model) {
 }
 
 ReferenceResult train_reference(const TrainConfig& config) {
-  auto model = make_model(config.model, config.seed);
+  const c10::Device device = device_for_rank(parse_device(config.device), /*local_rank=*/0);
+  auto model = make_model(config.model, config.seed);  // initialized on CPU: the same values on every device
+  model->to(device);
   auto data = make_dataset(config.model, config.seed);
   auto optimizer = make_optimizer(config.optimizer, trainable_parameters(*model), config.lr);
   ReferenceResult result;
   for (int step = 0; step < config.steps; ++step) {
     compat::zero_grad(*optimizer);
-    at::Tensor loss = model->loss(data->global_batch(step, config.global_batch));
+    at::Tensor loss = model->loss(data->global_batch(step, config.global_batch).to(device));
     loss.backward();
     optimizer->step();
     result.losses.push_back(loss.item<double>());
   }
   for (const auto& item : model->named_parameters(/*recurse=*/true)) {
     result.names.push_back(item.key());
-    result.params.push_back(item.value().detach().clone());
+    result.params.push_back(item.value().detach().cpu().clone());
   }
   return result;
 }
@@ -58,7 +61,8 @@ double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tens
       throw std::invalid_argument("max_abs_diff: tensor " + std::to_string(i) + " has shape " +
                                   c10::str(a[i].sizes()) + " vs " + c10::str(b[i].sizes()));
     if (a[i].numel() == 0) continue;
-    worst = std::max(worst, (a[i].detach().to(at::kDouble) - b[i].detach().to(at::kDouble)).abs().max().item<double>());
+    const at::Tensor d = a[i].detach().to(at::kDouble).cpu() - b[i].detach().to(at::kDouble).cpu();
+    worst = std::max(worst, d.abs().max().item<double>());
   }
   return worst;
 }

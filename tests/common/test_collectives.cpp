@@ -1,12 +1,15 @@
 // Tests of the Communicator on real Gloo process groups, ranks as threads: results, fallbacks, the collective
 // record, argument validation and timeouts.
 #include "shardlab/common/thread_ranks.h"
+#include "support/device.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <iostream>
+#include <future>
 #include <mutex>
+#include <sstream>
 
 namespace shardlab {
 namespace {
@@ -17,17 +20,40 @@ GroupOptions fast() {
   return o;
 }
 
-// Rank r's input: r+1 everywhere (so sums and averages are known in closed form).
-at::Tensor rank_tensor(const Communicator& c, int64_t n, at::ScalarType dt) {
-  return at::full({n}, static_cast<double>(c.rank() + 1), at::TensorOptions().dtype(dt));
+// One parametrization: `world` thread ranks on Gloo (tensors on the test device, see support/device.h), or one
+// rank on NCCL (tensors on cuda:0; skipped without a GPU).
+struct GroupCase {
+  int world;
+  BackendKind kind;
+};
+
+std::ostream& operator<<(std::ostream& os, const GroupCase& g) {
+  return os << (g.kind == BackendKind::kNccl ? "nccl" : "gloo") << "_w" << g.world;
 }
+
+class CollectivesByWorld : public ::testing::TestWithParam<GroupCase> {
+ protected:
+  void SetUp() override {
+    if (GetParam().kind == BackendKind::kNccl && !test_support::nccl_usable())
+      GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
+    device_ = GetParam().kind == BackendKind::kNccl ? c10::Device(c10::kCUDA, 0) : test_support::device();
+    options_ = fast();
+    options_.kind = GetParam().kind;
+  }
+  // Rank r's input: r+1 everywhere (so sums and averages are known in closed form).
+  at::Tensor rank_tensor(const Communicator& c, int64_t n, at::ScalarType dt) const {
+    return at::full({n}, static_cast<double>(c.rank() + 1), at::TensorOptions().dtype(dt).device(device_));
+  }
+  at::TensorOptions on_device(at::ScalarType dt) const { return at::TensorOptions().dtype(dt).device(device_); }
+
+  c10::Device device_{c10::kCPU};
+  GroupOptions options_;
+};
 
 double sum_1_to(int w) { return w * (w + 1) / 2.0; }
 
-class CollectivesByWorld : public ::testing::TestWithParam<int> {};
-
 TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
-  const int world = GetParam();
+  const int world = GetParam().world;
   run_ranks(world, [&](Communicator& c) {
     for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
       at::Tensor s = rank_tensor(c, 10, dt), a = rank_tensor(c, 10, dt);
@@ -39,7 +65,7 @@ TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
       const double sum_err = (s.to(at::kDouble) - sum_1_to(world)).abs().max().item<double>();
       const double avg_err = (a.to(at::kDouble) - sum_1_to(world) / world).abs().max().item<double>();
       if (c.rank() == 0)
-        std::cout << "world " << world << " " << c10::toString(dt) << ": max |sum err| " << sum_err
+        std::cout << GetParam() << " " << device_ << " " << c10::toString(dt) << ": max |sum err| " << sum_err
                   << ", max |avg err| " << avg_err << "\n";
       EXPECT_EQ(sum_err, 0.0);
       EXPECT_LE(avg_err, 1e-2);  // (w+1)/2 is exact in every dtype for w <= 4
@@ -52,16 +78,18 @@ TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
       EXPECT_EQ(r.group, "world");
       EXPECT_GT(r.end_ns, 0);
       EXPECT_GE(r.end_ns, r.start_ns);
-      // bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
-      const int64_t expected = r.dtype == at::kBFloat16 ? 40 : 10 * c10::elementSize(r.dtype);
-      EXPECT_EQ(r.bytes, expected) << c10::toString(r.dtype);
-      EXPECT_EQ(r.wire_dtype, r.dtype == at::kBFloat16 ? at::kFloat : r.dtype);
+      // On Gloo bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
+      const bool native = c.reduces_natively(r.dtype);
+      EXPECT_EQ(native, !(c.kind() == BackendKind::kGloo && r.dtype == at::kBFloat16));
+      EXPECT_EQ(r.bytes, native ? 10 * static_cast<int64_t>(c10::elementSize(r.dtype)) : 40)
+          << c10::toString(r.dtype);
+      EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat);
     }
-  }, fast());
+  }, options_);
 }
 
 TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
-  const int world = GetParam();
+  const int world = GetParam().world;
   run_ranks(world, [&](Communicator& c) {
     for (auto dt : {at::kFloat, at::kBFloat16}) {
       // broadcast from the last rank
@@ -70,37 +98,48 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       EXPECT_TRUE(at::equal(b, at::full({5}, static_cast<double>(world), b.options())));
 
       // all_gather: rank r contributes [r*10, r*10+1, r*10+2] into one flat output
-      at::Tensor in = at::arange(3, at::TensorOptions().dtype(dt)) + 10.0 * c.rank();
+      at::Tensor in = at::arange(3, on_device(dt)) + 10.0 * c.rank();
       at::Tensor out = at::empty({3 * world}, in.options());
       c.all_gather(out, in).wait();
       for (int r = 0; r < world; ++r)
         EXPECT_TRUE(at::equal(out.narrow(0, 3 * r, 3), at::arange(3, in.options()) + 10.0 * r)) << "chunk " << r;
 
       // reduce_scatter: every rank sends the same [0, 1, ..., 2w-1] * (rank+1); rank r keeps chunk r of the sum
-      at::Tensor full = at::arange(2 * world, at::TensorOptions().dtype(dt)) * static_cast<double>(c.rank() + 1);
+      at::Tensor full = at::arange(2 * world, on_device(dt)) * static_cast<double>(c.rank() + 1);
       at::Tensor keep = full.clone();
       at::Tensor mine = at::empty({2}, full.options()), mine_avg = at::empty({2}, full.options());
       c.reduce_scatter(mine, full, ReduceOp::kSum).wait();
       c.reduce_scatter(mine_avg, full, ReduceOp::kAvg).wait();
-      at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, at::TensorOptions().dtype(at::kDouble)) *
+      at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, on_device(at::kDouble)) *
                           sum_1_to(world);
       EXPECT_LE((mine.to(at::kDouble) - expect).abs().max().item<double>(), 1e-6);
       EXPECT_LE((mine_avg.to(at::kDouble) - expect / world).abs().max().item<double>(), 0.05);
       EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
     }
-    // What really went on the wire (Gloo 1.13): reduce_scatter as an all-reduce of the whole input.
+    // What really went on the wire. Gloo: reduce_scatter as an all-reduce of the whole input, bf16 as f32.
+    // NCCL: both natively.
+    const bool nccl = c.kind() == BackendKind::kNccl;
     for (const auto& r : c.recorder().snapshot()) {
+      const int64_t wire_size = nccl ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
       if (r.op == "reduce_scatter") {
-        EXPECT_EQ(r.wire_op, "all_reduce");
+        EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : "all_reduce");
         EXPECT_EQ(r.numel, 2 * world);
-        EXPECT_EQ(r.bytes, 2 * world * 4);  // f32 on the wire for both f32 and bf16
+        EXPECT_EQ(r.bytes, 2 * world * wire_size);
       }
-      if (r.op == "all_gather") EXPECT_EQ(r.bytes, 3 * 4);
+      if (r.op == "all_gather") EXPECT_EQ(r.bytes, 3 * wire_size);
     }
-  }, fast());
+  }, options_);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld,
+                         ::testing::Values(GroupCase{1, BackendKind::kGloo}, GroupCase{2, BackendKind::kGloo},
+                                           GroupCase{3, BackendKind::kGloo}, GroupCase{4, BackendKind::kGloo},
+                                           GroupCase{1, BackendKind::kNccl}),
+                         [](const auto& info) {
+                           std::ostringstream s;
+                           s << info.param;
+                           return s.str();
+                         });
 
 TEST(Collectives, AsyncWorkOverlapsTheCallingThread) {
   // all_reduce returns before the result is there; wait() makes it visible.
@@ -143,8 +182,19 @@ TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
   GroupOptions o;
   o.timeout = std::chrono::milliseconds(1500);
   std::string message;
+  std::promise<void> rank0_done;
+  std::shared_future<void> done = rank0_done.get_future().share();
   run_ranks(2, [&](Communicator& c) {
-    if (c.rank() == 1) return;  // rank 1 never joins the all-reduce
+    if (c.rank() == 1) {
+      // Rank 1 never joins the all-reduce, but keeps its group alive until rank 0 has given up: a group destroyed
+      // early would close the connection, and rank 0 would see that instead of a timeout.
+      done.wait();
+      return;
+    }
+    struct Release {  // however rank 0 leaves, rank 1 is released
+      std::promise<void>& p;
+      ~Release() { p.set_value(); }
+    } release{rank0_done};
     at::Tensor t = at::ones({8});
     try {
       c.all_reduce(t).wait();

@@ -6,6 +6,7 @@
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
+#include "support/device.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -27,16 +28,16 @@ GroupOptions test_group() {
 
 // One rank's training through NaiveDDP (see test_support::train_replica); returns the final parameters.
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
-  auto model = make_model(c.model, c.seed);
+  auto model = test_support::model_on(c.model, c.seed, device_for_rank(parse_device(c.device), 0));
   NaiveDDP ddp(model, comm);
   return test_support::train_replica(comm, c, *model, ddp);
 }
 
 // Trains on `world` ranks and compares every rank's parameters with the single-device reference.
-void expect_matches_reference(int world, const TrainConfig& c) {
+void expect_matches_reference(int world, const TrainConfig& c, const GroupOptions& group = test_group()) {
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(world);
-  run_ranks(world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c); }, test_group());
+  run_ranks(world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c); }, group);
   for (int r = 0; r < world; ++r) {
     const double diff = max_abs_diff(finals[r], ref.params);
     std::cout << c.model << "/" << c.optimizer << " world " << world << " micro " << c.micro_batches << " rank "
@@ -66,7 +67,24 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
   c.global_batch = 12;  // divides by 1, 2, 3, 4 and by every micro-batch count used below
   c.micro_batches = e.micro;
   c.seed = 11;
+  c.device = test_support::device_name();
   expect_matches_reference(e.world, c);
+}
+
+// World size 1 on NCCL (one GPU can host only one NCCL rank): the same training, CUDA tensors, NCCL collectives.
+TEST(NaiveDDP, NcclWorldOneMatchesSingleDevice) {
+  if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.optimizer = "adamw";
+  c.lr = 1e-2;
+  c.steps = 4;
+  c.global_batch = 8;
+  c.micro_batches = 2;
+  c.device = "cuda:0";
+  GroupOptions group = test_group();
+  group.kind = BackendKind::kNccl;
+  expect_matches_reference(1, c, group);
 }
 
 std::vector<EquivalenceCase> equivalence_cases() {

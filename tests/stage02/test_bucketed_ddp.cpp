@@ -7,6 +7,7 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/device.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -38,7 +39,7 @@ BucketCaps mlp_caps(int buckets) {
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options,
                                    size_t* buckets = nullptr) {
-  auto model = make_model(c.model, c.seed);
+  auto model = test_support::model_on(c.model, c.seed, device_for_rank(parse_device(c.device), 0));
   BucketedDDP ddp(model, comm, options);
   auto params = test_support::train_replica(comm, c, *model, ddp);
   if (buckets) *buckets = ddp.buckets().size();
@@ -68,6 +69,7 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
   c.global_batch = 12;
   c.micro_batches = e.micro;
   c.seed = 11;
+  c.device = test_support::device_name();
   Options options;
   options.caps = e.buckets > 0 ? mlp_caps(e.buckets) : e.model == "edge" ? BucketCaps{64, 128} : BucketCaps{2048, 8192};
   options.find_unused_parameters = e.find_unused;
@@ -108,6 +110,29 @@ INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_c
   s << info.param;
   return s.str();
 });
+
+// World size 1 on NCCL (one GPU hosts one NCCL rank): CUDA tensors, the rebuild broadcast included.
+TEST(BucketedDDP, NcclWorldOneMatchesSingleDevice) {
+  if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 4;
+  c.global_batch = 8;
+  c.micro_batches = 2;
+  c.device = "cuda:0";
+  Options options;
+  options.caps = {2048, 8192};
+  GroupOptions group = test_group();
+  group.kind = BackendKind::kNccl;
+  const ReferenceResult ref = train_reference(c);
+  std::vector<at::Tensor> final_params;
+  size_t buckets = 0;
+  run_ranks(1, [&](Communicator& comm) { final_params = train_rank(comm, c, options, &buckets); }, group);
+  const double diff = max_abs_diff(final_params, ref.params);
+  std::cout << "nccl world 1: " << buckets << " buckets, max |param - reference| = " << diff << "\n";
+  EXPECT_GT(buckets, 1u);
+  EXPECT_TRUE(all_close(final_params, ref.params, kRtol, kAtol)) << "max diff " << diff;
+}
 
 TEST(AssignBuckets, CapsDecideTheCutsAndTheFirstBucketIsSmall) {
   auto model = make_model("mlp", 1);

@@ -7,6 +7,7 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/device.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -87,7 +88,7 @@ TEST(PredivideFactor, FollowsTheSeedsRuleForWorldSizes1To16) {
 // Training helpers (the loop is test_support::train_replica, shared with stages 01 and 02)
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options) {
-  auto model = make_model(c.model, c.seed);
+  auto model = test_support::model_on(c.model, c.seed, device_for_rank(parse_device(c.device), 0));
   BucketedDDP ddp(model, comm, options);
   return test_support::train_replica(comm, c, *model, ddp);
 }
@@ -122,6 +123,7 @@ TrainConfig config_for(const TrainCase& t) {
   c.global_batch = 24;  // divides by 2, 3, 4 ranks, and then by 2 micro-batches
   c.micro_batches = t.micro;
   c.seed = 21;
+  c.device = test_support::device_name();
   return c;
 }
 

@@ -10,16 +10,18 @@
 
 namespace shardlab::test_support {
 
-/// Trains `model` through `ddp` (any wrapper with `loss(Batch)` and `no_sync()`) for `c.steps` steps and returns
-/// every parameter of the model (registration order), detached copies.
+/// Trains `model` through `ddp` (any wrapper with `loss(Batch)` and `no_sync()`) for `c.steps` steps, with the
+/// batches on the model's device, and returns every parameter of the model (registration order), detached copies
+/// on CPU.
 template <typename Wrapper>
 std::vector<at::Tensor> train_replica(Communicator& comm, const TrainConfig& c, Model& model, Wrapper& ddp) {
   auto data = make_dataset(c.model, c.seed);
   auto opt = make_optimizer(c.optimizer, trainable_parameters(model), c.lr);
+  const c10::Device device = model.parameters().front().device();
   for (int step = 0; step < c.steps; ++step) {
     compat::zero_grad(*opt);
-    auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()),
-                               c.micro_batches);
+    auto micro = micro_batches(
+        rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()).to(device), c.micro_batches);
     for (int i = 0; i < c.micro_batches; ++i) {
       if (i + 1 < c.micro_batches) {
         auto scope = ddp.no_sync();
@@ -31,7 +33,7 @@ std::vector<at::Tensor> train_replica(Communicator& comm, const TrainConfig& c, 
     opt->step();
   }
   std::vector<at::Tensor> out;
-  for (const auto& p : model.parameters()) out.push_back(p.detach().clone());
+  for (const auto& p : model.parameters()) out.push_back(p.detach().cpu().clone());
   return out;
 }
 

@@ -274,11 +274,15 @@ void BucketedDDP::rebuild_buckets() {
   std::vector<size_t> order;
   // BEGIN SOLUTION(02): rank 0 decides the order and broadcasts it; every rank lays its buckets out in it
   // Ranks may see gradients in different orders (threads, timing); buckets must still be identical on all.
-  at::Tensor wire = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
-  int64_t* slot = wire.data_ptr<int64_t>();
+  // The order travels on the parameters' device: NCCL only moves CUDA tensors.
+  at::Tensor host = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
+  int64_t* slot = host.data_ptr<int64_t>();
   for (size_t k = 0; k < ready_order_.size(); ++k) slot[k] = static_cast<int64_t>(ready_order_[k]);
+  at::Tensor wire = host.to(params_.front().device());
   comm_.broadcast(wire, 0).wait();
-  order.assign(slot, slot + wire.numel());
+  host = wire.cpu();
+  slot = host.data_ptr<int64_t>();
+  order.assign(slot, slot + host.numel());
   // END SOLUTION
   lay_out(order);
 }

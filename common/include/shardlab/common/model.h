@@ -25,6 +25,8 @@ struct Batch {
   int64_t size() const { return input.size(0); }
   /// Examples [start, start + length) as a view.
   Batch slice(int64_t start, int64_t length) const;
+  /// The same batch on `device` (no copy when it is already there).
+  Batch to(const c10::Device& device) const;
 };
 
 /// A trainable model: a torch::nn::Module whose loss is the mean over the batch's examples (so averaging the

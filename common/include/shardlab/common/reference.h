@@ -22,6 +22,7 @@ struct TrainConfig {
   int64_t global_batch = 8;        ///< examples per step over all ranks
   uint64_t seed = 1;               ///< model and data seed
   int micro_batches = 1;           ///< gradient-accumulation micro-batches per step (per rank)
+  std::string device = "cpu";      ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
 };
 
 /// Builds optimizer `name` ("sgd" or "adamw") over `params`.
@@ -39,7 +40,7 @@ struct ReferenceResult {
   std::vector<at::Tensor> params;    ///< final parameter values (all, trainable or not)
 };
 
-/// Trains `config.model` on one device for `config.steps` steps on the whole global batch of each step.
+/// Trains `config.model` on one device (`config.device`; "cuda" means cuda:0) for `config.steps` steps on the whole global batch of each step.
 ReferenceResult train_reference(const TrainConfig& config);
 
 /// Largest |a[i] - b[i]| over all elements of all tensors. @throws std::invalid_argument on count/shape mismatch.

@@ -1,0 +1,49 @@
+#include "shardlab/common/device.h"
+
+#include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <stdexcept>
+
+namespace shardlab {
+
+c10::Device parse_device(const std::string& name) {
+  const auto bad = [&] {
+    return std::invalid_argument("unknown device '" + name + "'; expected cpu, cuda or cuda:N (N a GPU index)");
+  };
+  if (name == "cpu") return c10::Device(c10::kCPU);
+  if (name == "cuda") return c10::Device(c10::kCUDA);
+  const std::string prefix = "cuda:";
+  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() || name.size() > prefix.size() + 3) throw bad();
+  for (size_t i = prefix.size(); i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') throw bad();
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(name.substr(prefix.size()))));
+}
+
+bool cuda_available() { return at::hasCUDA(); }
+
+int cuda_device_count() { return cuda_available() ? static_cast<int>(at::getNumGPUs()) : 0; }
+
+c10::Device device_for_rank(const c10::Device& requested, int local_rank) {
+  if (requested.is_cpu()) return requested;
+  if (!requested.is_cuda())
+    throw std::invalid_argument("device " + requested.str() + " is not supported; expected cpu or cuda");
+  const int gpus = cuda_device_count();
+  if (gpus == 0)
+    throw std::invalid_argument("device " + requested.str() + " requested, but " +
+                                (at::Context::hasCUDART() ? std::string("no GPU is visible (CUDA_VISIBLE_DEVICES?)")
+                                                 : std::string("this libtorch was built without CUDA")));
+  const int index = requested.has_index() ? requested.index() : local_rank;
+  if (index < 0 || index >= gpus)
+    throw std::invalid_argument("GPU index " + std::to_string(index) + (requested.has_index() ? "" : " (LOCAL_RANK)") +
+                                " is not visible; expected 0.." + std::to_string(gpus - 1) +
+                                ": launch at most one process per GPU on each machine");
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
+void set_current_device(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+}
+
+}  // namespace shardlab
