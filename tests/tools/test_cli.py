@@ -28,6 +28,12 @@ expect([shardlab, "train", "--world-size", "3", "--global-batch", "16"], 2, "mus
 expect([shardlab, "train", "--strategy", "single", "--world-size", "4"], 2, "runs on one rank")
 expect([shardlab, "train", "--bogus", "1"], 2, "unknown flag '--bogus'")
 expect([shardlab, "train", "--steps"], 2, "--steps expects a value")
+expect([shardlab, "train", "--device", "gpu"], 2, "unknown device 'gpu'; expected cpu, cuda or cuda:N")
+expect([shardlab, "train", "--backend", "mpi"], 2, "--backend expects one of gloo|nccl; got 'mpi'")
+expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
+expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")
+# Checked once by the driver, before any rank starts (this machine may or may not have CUDA).
+expect([shardlab, "train", "--device", "cuda:63"], 2, "cuda")
 expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected train, compare or bench")
 expect([shardlab, "--help"], 0, "shardlab compare")
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")

@@ -1,6 +1,7 @@
 #include "run.h"
 #include "strategies.h"
 
+#include "shardlab/common/device.h"
 #include "shardlab/common/launcher.h"
 
 #include <ATen/ATen.h>
@@ -87,6 +88,15 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     o.trace_dir = fs::absolute(o.trace_dir).string();
   }
 
+  // Check the device here, once, rather than in every rank: "cuda" puts local rank r on GPU r.
+  const c10::Device device = parse_device(o.train.device);
+  const int ranks = strategy.distributed ? o.world_size : 1;
+  device_for_rank(device, 0);  // CUDA requested: this libtorch has it and a GPU is visible
+  if (device.is_cuda() && !device.has_index() && ranks > 1 && cuda_device_count() < ranks)
+    throw std::invalid_argument("--device cuda puts rank r on GPU r: " + std::to_string(ranks) + " ranks need " +
+                                std::to_string(ranks) + " GPUs; " + std::to_string(cuda_device_count()) +
+                                " visible (--device cuda:0 shares one GPU between Gloo ranks)");
+
   LaunchOptions launch_options;
   launch_options.nproc = o.world_size;
   launch_options.timeout = std::chrono::seconds(o.timeout_s);
@@ -109,6 +119,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.world_size = o.world_size;
   r.train = o.train;
   r.trace_dir = o.trace_dir;
+  r.backend = strategy.distributed ? o.backend : "none";
   const ReferenceResult ref = train_reference(o.train);
   r.reference_losses = ref.losses;
   at::Tensor ref_flat = at::cat([&] {
@@ -153,7 +164,8 @@ void print_report(const RunReport& r) {
   std::cout << "\nshardlab train: " << r.strategy << " (" << r.description << ")\n"
             << "  model " << r.train.model << ", world size " << r.world_size << ", global batch "
             << r.train.global_batch << ", micro-batches " << r.train.micro_batches << ", " << r.train.optimizer
-            << " lr " << r.train.lr << ", seed " << r.train.seed << "\n\n"
+            << " lr " << r.train.lr << ", seed " << r.train.seed << ", " << r.train.device << " over " << r.backend
+            << "\n\n"
             << "  step        loss   reference   |difference|\n";
   for (size_t s = 0; s < r.losses.size(); ++s)
     std::cout << "  " << std::setw(4) << s << std::fixed << std::setprecision(6) << std::setw(12) << r.losses[s]
@@ -216,6 +228,8 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"global_batch\": " << r.train.global_batch << ",\n"
       << pad << "  \"micro_batches\": " << r.train.micro_batches << ",\n"
       << pad << "  \"seed\": " << r.train.seed << ",\n"
+      << pad << "  \"device\": \"" << r.train.device << "\",\n"
+      << pad << "  \"backend\": \"" << r.backend << "\",\n"
       << pad << "  \"losses\": ";
   json_array(out, r.losses);
   out << ",\n" << pad << "  \"reference_losses\": ";

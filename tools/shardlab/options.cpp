@@ -2,6 +2,7 @@
 
 #include "strategies.h"
 
+#include "shardlab/common/device.h"
 #include "shardlab/common/model.h"
 
 #include <algorithm>
@@ -73,6 +74,8 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     else if (flag == "--first-bucket-kb") o.strategy_options.first_bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
     else if (flag == "--trace") o.trace_dir = v;
     else if (flag == "--threads") o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
+    else if (flag == "--device") o.train.device = (parse_device(v), v);
+    else if (flag == "--backend") o.backend = one_of(flag, v, {"gloo", "nccl"});
     else throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
   const int world = o.strategy == "single" ? 1 : o.world_size;
@@ -81,6 +84,12 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     throw std::invalid_argument("--strategy single runs on one rank; got --world-size " +
                                 std::to_string(o.world_size) + " (drop the flag or pass 1)");
   if (o.strategy == "single") o.world_size = 1;
+  if (o.backend == "nccl" && !parse_device(o.train.device).is_cuda())
+    throw std::invalid_argument("--backend nccl moves CUDA tensors only; it needs --device cuda, got --device " +
+                                o.train.device);
+  if (o.backend == "nccl" && parse_device(o.train.device).has_index() && world > 1)
+    throw std::invalid_argument("--backend nccl needs one GPU per rank; got --device " + o.train.device + " for " +
+                                std::to_string(world) + " ranks (use --device cuda: rank r on GPU r)");
   if (o.train.global_batch % (static_cast<int64_t>(world) * o.train.micro_batches) != 0)
     throw std::invalid_argument("--global-batch " + std::to_string(o.train.global_batch) +
                                 " must divide by world size x micro-batches = " +
@@ -104,7 +113,9 @@ std::vector<std::string> to_args(const RunOptions& o) {
           "--result-dir",    o.result_dir,
           "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
           "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
-          "--threads",       std::to_string(o.threads)};
+          "--threads",       std::to_string(o.threads),
+          "--device",        o.train.device,
+          "--backend",       o.backend};
   if (!o.trace_dir.empty()) {
     args.push_back("--trace");
     args.push_back(o.trace_dir);
@@ -132,6 +143,8 @@ std::string usage() {
          "  --bucket-cap-kb N   bucket cap after the first bucket      default 25600 (25 MiB)\n"
          "  --first-bucket-kb N cap of the first bucket                default 1024 (1 MiB)\n"
          "  --threads N         intra-op threads per rank (0: default) default 0\n"
+         "  --device D          cpu|cuda|cuda:N; cuda = GPU LOCAL_RANK  default cpu\n"
+         "  --backend B         gloo|nccl (nccl: --device cuda)        default gloo\n"
          "  --trace DIR         write DIR/rankR.trace.json (Chrome trace: chrome://tracing, ui.perfetto.dev)\n"
          "  --json FILE         also write the report as JSON\n"
          "  --timeout SECONDS   kill the run if it takes longer        default 600\n";

@@ -25,6 +25,7 @@ struct RunOptions {
   StrategyOptions strategy_options;    ///< bucket caps
   std::string trace_dir;               ///< --trace DIR: one Chrome trace per rank there ("" = none)
   int threads = 0;                     ///< --threads N: intra-op threads per rank (0 = libtorch's default)
+  std::string backend = "gloo";        ///< --backend gloo|nccl (nccl needs --device cuda)
 };
 
 /// Parses `args` (without the subcommand). `allow_strategy` is false for compare (it runs them all).

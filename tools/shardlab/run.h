@@ -27,6 +27,7 @@ struct RunReport {
   double comm_busy_ms_per_step = 0;      ///< rank 0: time a collective was in flight, per step
   double exposed_comm_ms_per_step = 0;   ///< rank 0: part of it the training thread waited for, per step
   std::string trace_dir;                 ///< where the Chrome traces went ("" = none)
+  std::string backend;                   ///< "gloo", "nccl", or "none" (single device)
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into

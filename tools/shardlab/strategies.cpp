@@ -4,6 +4,7 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/data.h"
+#include "shardlab/common/device.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include <ATen/ATen.h>
@@ -13,6 +14,14 @@
 
 namespace shardlab::cli {
 namespace {
+
+// Model `c.model` initialized on CPU (the same values everywhere) and moved to `c.device` (an index already
+// resolved by the worker).
+std::shared_ptr<Model> model_on_device(const TrainConfig& c) {
+  auto model = make_model(c.model, c.seed);
+  model->to(parse_device(c.device));
+  return model;
+}
 
 // The single-device "wrapper": no communication at all.
 class SingleDevice {
@@ -116,7 +125,7 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
   return {std::move(name), std::move(description), true,
           [scale](const Model& m, int, const StrategyOptions& s) { return per_bucket_all_reduce(m, s, scale); },
           [hook](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
-            auto model = make_model(c.model, c.seed);
+            auto model = model_on_device(c);
             bucketed_ddp::Options options = ddp_options(s, c.model);
             if (!hook.empty()) options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, *comm));
             return std::make_unique<WrappedRunner<bucketed_ddp::BucketedDDP>>(
@@ -131,13 +140,13 @@ const std::vector<Strategy>& strategies() {
       {"single", "one device, whole global batch (the reference)", false,
        [](const Model&, int, const StrategyOptions&) { return Theory{}; },
        [](const TrainConfig& c, const StrategyOptions&, Communicator*) -> std::unique_ptr<StepRunner> {
-         auto model = make_model(c.model, c.seed);
+         auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<SingleDevice>>(c, model, std::make_unique<SingleDevice>(model));
        }},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", true,
        [](const Model& m, int, const StrategyOptions&) { return per_parameter_all_reduce(m); },
        [](const TrainConfig& c, const StrategyOptions&, Communicator* comm) -> std::unique_ptr<StepRunner> {
-         auto model = make_model(c.model, c.seed);
+         auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<naive_ddp::NaiveDDP>>(
              c, model, std::make_unique<naive_ddp::NaiveDDP>(model, *comm));
        }},

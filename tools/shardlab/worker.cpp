@@ -2,6 +2,7 @@
 #include "strategies.h"
 
 #include "shardlab/common/data.h"
+#include "shardlab/common/device.h"
 #include "shardlab/common/process_group.h"
 
 #include <ATen/ATen.h>
@@ -14,13 +15,20 @@
 
 namespace shardlab::cli {
 
-int run_worker(const RunOptions& o) {
+int run_worker(const RunOptions& options) {
+  RunOptions o = options;
   const Strategy& strategy = find_strategy(o.strategy);
+  // One process per GPU, as under torchrun: "cuda" means the GPU of this rank's LOCAL_RANK.
+  const int local_rank = strategy.distributed ? RankEnv::from_environment().local_rank : 0;
+  const c10::Device device = device_for_rank(parse_device(o.train.device), local_rank);
+  set_current_device(device);
+  o.train.device = device.str();
   std::shared_ptr<Communicator> comm;
   int rank = 0, world = 1;
   if (strategy.distributed) {
     GroupOptions group;
     group.timeout = std::chrono::milliseconds(120'000);
+    group.kind = o.backend == "nccl" ? BackendKind::kNccl : BackendKind::kGloo;
     comm = communicator_from_env(group);
     rank = comm->rank();
     world = comm->size();
@@ -35,7 +43,7 @@ int run_worker(const RunOptions& o) {
   std::vector<double> losses, step_ms;
   const int64_t first_step_ns = now_ns();
   for (int step = 0; step < o.train.steps; ++step) {
-    Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world);
+    Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world).to(device);
     const auto t0 = std::chrono::steady_clock::now();
     losses.push_back(runner->step(local));
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -77,7 +85,7 @@ int run_worker(const RunOptions& o) {
   }
   std::ofstream params(prefix + ".params", std::ios::binary);
   for (const auto& p : runner->full_parameters()) {
-    at::Tensor flat = p.detach().to(at::kDouble).contiguous().view({-1});
+    at::Tensor flat = p.detach().to(at::kDouble).cpu().contiguous().view({-1});
     params.write(reinterpret_cast<const char*>(flat.data_ptr<double>()),
                  static_cast<std::streamsize>(flat.numel() * sizeof(double)));
   }
