@@ -40,7 +40,9 @@ std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::S
                                                 std::shared_ptr<CommRecorder> recorder = nullptr);
 
 /// Creates the world Communicator of a process launched by torchrun or shardlab-run: a TCPStore served by rank 0
-/// at MASTER_ADDR:MASTER_PORT. When the group is NCCL, `hostname` is ignored and LOCAL_RANK picks the device.
+/// at MASTER_ADDR:MASTER_PORT. When the group is NCCL, `hostname` is ignored and NCCL runs on the current GPU:
+/// make it this rank's first, as with `torch.cuda.set_device(local_rank)` (device.h:
+/// `set_current_device(device_for_rank(parse_device("cuda"), RankEnv::from_environment().local_rank))`).
 std::shared_ptr<Communicator> communicator_from_env(const GroupOptions& options = {});
 
 }  // namespace shardlab
