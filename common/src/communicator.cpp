@@ -9,8 +9,9 @@
 #include <utility>
 
 // Note [Fallbacks]
-// Gloo 1.13 has no ReduceOp::AVG, no bfloat16, no flat (tensor-in, tensor-out) all-gather and no reduce-scatter.
-// The Communicator keeps one API over every backend and falls back like this:
+// Gloo 1.13 has no ReduceOp::AVG, no bfloat16, no flat (tensor-in, tensor-out) all-gather and no reduce-scatter;
+// Gloo 2.6 has all but AVG (compat::gloo_features() says which, for this build). Where the backend lacks one, the
+// Communicator keeps one API over every backend and falls back like this:
 //  - AVG           → SUM on the wire, then the waiting thread divides by size() (floating dtypes only).
 //  - bfloat16      → the tensor is cast to float32 (exact), communicated, and cast back on wait(); the record shows
 //                    wire_dtype float32 and twice the bytes.
@@ -26,6 +27,7 @@ namespace {
 bool is_floating(c10::ScalarType t) { return c10::isFloatingType(t); }
 
 bool gloo_supports(c10::ScalarType t) {
+  if (t == c10::kBFloat16) return compat::gloo_features().bfloat16;
   switch (t) {
     case c10::kFloat:
     case c10::kDouble:
@@ -99,6 +101,14 @@ bool Communicator::reduces_natively(c10::ScalarType dtype) const {
   return kind_ == BackendKind::kNccl || gloo_supports(dtype);
 }
 
+bool Communicator::has_flat_all_gather(const at::Tensor& t) const {
+  return kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && t.is_cpu());
+}
+
+bool Communicator::has_reduce_scatter(const at::Tensor& t) const {
+  return kind_ == BackendKind::kNccl || (compat::gloo_features().reduce_scatter && t.is_cpu());
+}
+
 void Communicator::check_tensor(const at::Tensor& t, const char* what, const char* op) const {
   auto fail = [&](const std::string& msg) {
     std::ostringstream s;
@@ -154,7 +164,7 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
 
 Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   check_tensor(t, "tensor", "all_reduce");
-  const bool bf16_fallback = kind_ == BackendKind::kGloo && t.scalar_type() == c10::kBFloat16;
+  const bool bf16_fallback = !reduces_natively(t.scalar_type());
   const bool native_avg = kind_ == BackendKind::kNccl;
   if (op == ReduceOp::kAvg && !is_floating(t.scalar_type()))
     throw std::invalid_argument(std::string("all_reduce: avg needs a floating dtype; got ") +
@@ -182,7 +192,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast: root must be in [0, " + std::to_string(size_) + "); got " +
                                 std::to_string(root));
-  const bool bf16_fallback = kind_ == BackendKind::kGloo && t.scalar_type() == c10::kBFloat16;
+  const bool bf16_fallback = !reduces_natively(t.scalar_type());
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -206,19 +216,20 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
     throw std::invalid_argument("all_gather: output must have world_size * input.numel() = " +
                                 std::to_string(size_ * input.numel()) + " elements; got " +
                                 std::to_string(output.numel()));
-  const bool bf16_fallback = kind_ == BackendKind::kGloo && input.scalar_type() == c10::kBFloat16;
+  const bool bf16_fallback = !reduces_natively(input.scalar_type());
   at::Tensor wire_in = bf16_fallback ? input.to(c10::kFloat) : input;
   at::Tensor wire_out = bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat))
                                       : output.view({-1});
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
-#ifdef SHARDLAB_HAS_NCCL
-  if (kind_ == BackendKind::kNccl) {
-    const size_t idx = record("all_gather", "all_gather", input, wire_in, nullptr);
-    auto work = backend_->_allgather_base(wire_out, wire_in, opts);
-    return submit(std::move(work), idx, nullptr, "all_gather");
+  std::function<void()> finish;
+  if (bf16_fallback) finish = [output, wire_out] { output.view({-1}).copy_(wire_out); };
+  if (has_flat_all_gather(input)) {
+    at::Tensor in = wire_in.contiguous();
+    const size_t idx = record("all_gather", "all_gather", input, in, nullptr);
+    auto work = backend_->_allgather_base(wire_out, in, opts);
+    return submit(std::move(work), idx, std::move(finish), "all_gather");
   }
-#endif
   std::vector<at::Tensor> chunks;
   chunks.reserve(size_);
   at::Tensor rows = wire_out.view({size_, -1});
@@ -227,8 +238,6 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
   std::vector<at::Tensor> inputs{wire_in.contiguous()};
   const size_t idx = record("all_gather", "all_gather(list)", input, wire_in, nullptr);
   auto work = backend_->allgather(outputs, inputs, opts);
-  std::function<void()> finish;
-  if (bf16_fallback) finish = [output, wire_out] { output.view({-1}).copy_(wire_out); };
   return submit(std::move(work), idx, std::move(finish), "all_gather");
 }
 
@@ -245,19 +254,30 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));
-#ifdef SHARDLAB_HAS_NCCL
-  if (kind_ == BackendKind::kNccl) {
+  const bool bf16_fallback = !reduces_natively(input.scalar_type());
+  if (has_reduce_scatter(input)) {
+    // Native: the backend reduces and scatters. AVG where the backend has it (NCCL), else SUM then divide.
+    const bool native_avg = kind_ == BackendKind::kNccl;
     c10d::ReduceScatterOptions opts;
-    opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    opts.reduceOp = (op == ReduceOp::kAvg && native_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     opts.timeout = timeout_;
-    const size_t idx = record("reduce_scatter", "reduce_scatter", input, input, &op);
-    at::Tensor out = output, in = input;
+    at::Tensor in = bf16_fallback ? input.to(c10::kFloat) : input;
+    at::Tensor out = bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat))
+                                   : output.view({-1});
+    const size_t idx = record("reduce_scatter", "reduce_scatter", input, in, &op);
     auto work = backend_->_reduce_scatter_base(out, in, opts);
-    return submit(std::move(work), idx, nullptr, "reduce_scatter");
+    const bool divide = op == ReduceOp::kAvg && !native_avg;
+    std::function<void()> finish;
+    if (divide || bf16_fallback) {
+      finish = [output, out, divide, bf16_fallback, n = size_] {
+        if (divide) out.div_(n);
+        if (bf16_fallback) output.view({-1}).copy_(out);
+      };
+    }
+    return submit(std::move(work), idx, std::move(finish), "reduce_scatter");
   }
-#endif
   // See Note [Fallbacks]: all-reduce a private copy of the whole input, keep this rank's chunk.
-  at::Tensor wire = input.scalar_type() == c10::kBFloat16 ? input.to(c10::kFloat) : input.clone();
+  at::Tensor wire = bf16_fallback ? input.to(c10::kFloat) : input.clone();
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   opts.timeout = timeout_;

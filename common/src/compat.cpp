@@ -43,6 +43,17 @@ bool has_nccl() {
 #endif
 }
 
+GlooFeatures gloo_features() {
+  GlooFeatures f;
+  // Probed on 2.6 (thread ranks, CPU tensors). Older 2.x lines keep the fallbacks: correct, only slower.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+  f.bfloat16 = true;
+  f.flat_all_gather = true;
+  f.reduce_scatter = true;
+#endif
+  return f;
+}
+
 c10::intrusive_ptr<Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                       std::chrono::milliseconds timeout, const std::string& hostname) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);

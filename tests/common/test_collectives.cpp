@@ -78,9 +78,10 @@ TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
       EXPECT_EQ(r.group, "world");
       EXPECT_GT(r.end_ns, 0);
       EXPECT_GE(r.end_ns, r.start_ns);
-      // On Gloo bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
+      // On Gloo 1.13 bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
       const bool native = c.reduces_natively(r.dtype);
-      EXPECT_EQ(native, !(c.kind() == BackendKind::kGloo && r.dtype == at::kBFloat16));
+      EXPECT_EQ(native, !(c.kind() == BackendKind::kGloo && r.dtype == at::kBFloat16 &&
+                          !compat::gloo_features().bfloat16));
       EXPECT_EQ(r.bytes, native ? 10 * static_cast<int64_t>(c10::elementSize(r.dtype)) : 40)
           << c10::toString(r.dtype);
       EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat);
@@ -116,18 +117,30 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       EXPECT_LE((mine_avg.to(at::kDouble) - expect / world).abs().max().item<double>(), 0.05);
       EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
     }
-    // What really went on the wire. Gloo: reduce_scatter as an all-reduce of the whole input, bf16 as f32.
-    // NCCL: both natively.
-    const bool nccl = c.kind() == BackendKind::kNccl;
+    // What really went on the wire. NCCL and Gloo 2.6 (CPU tensors): reduce_scatter and the flat all-gather
+    // natively. Gloo 1.13: reduce_scatter as an all-reduce of the whole input, a list all-gather, bf16 as f32.
+    const at::Tensor like = at::empty({0}, on_device(at::kFloat));
+    int seen = 0;
     for (const auto& r : c.recorder().snapshot()) {
-      const int64_t wire_size = nccl ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
+      const int64_t wire_size = c.reduces_natively(r.dtype) ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
+      EXPECT_EQ(r.wire_dtype, c.reduces_natively(r.dtype) ? r.dtype : at::kFloat) << r.op;
       if (r.op == "reduce_scatter") {
-        EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : "all_reduce");
+        EXPECT_EQ(r.wire_op, c.has_reduce_scatter(like) ? "reduce_scatter" : "all_reduce");
         EXPECT_EQ(r.numel, 2 * world);
         EXPECT_EQ(r.bytes, 2 * world * wire_size);
+        ++seen;
       }
-      if (r.op == "all_gather") EXPECT_EQ(r.bytes, 3 * wire_size);
+      if (r.op == "all_gather") {
+        EXPECT_EQ(r.wire_op, c.has_flat_all_gather(like) ? "all_gather" : "all_gather(list)");
+        EXPECT_EQ(r.bytes, 3 * wire_size);
+        ++seen;
+      }
     }
+    EXPECT_EQ(seen, 6) << "2 dtypes x (1 all_gather + 2 reduce_scatters)";
+    if (c.rank() == 0)
+      std::cout << GetParam() << ": reduce_scatter " << (c.has_reduce_scatter(like) ? "native" : "as all_reduce")
+                << ", all_gather " << (c.has_flat_all_gather(like) ? "flat" : "list") << ", bf16 "
+                << (c.reduces_natively(at::kBFloat16) ? "native" : "as f32") << "\n";
   }, options_);
 }
 

@@ -7,7 +7,7 @@
 /// before anything is submitted, so a mistake is a C++ exception at the call, never an abort on Gloo's thread.
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
-/// reduce-scatter) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
+/// reduce-scatter; Gloo 2.6: no AVG) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
 /// really sent. See Note [Fallbacks] in communicator.cpp.
 
 #include "shardlab/common/comm_record.h"
@@ -113,6 +113,12 @@ class Communicator {
   /// wire dtype (Gloo 1.13: bfloat16 goes as float32, see Note [Fallbacks]). Tests and reports use it to know
   /// whether a low-precision all-reduce really halves the bytes.
   bool reduces_natively(c10::ScalarType dtype) const;
+  /// True when all_gather of tensors like `t` is the backend's own flat all-gather; false when it goes through the
+  /// list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
+  bool has_flat_all_gather(const at::Tensor& t) const;
+  /// True when reduce_scatter of tensors like `t` is the backend's own; false when it is an all-reduce of the whole
+  /// input (Gloo 1.13; Gloo with CUDA tensors): the same result, the record shows wire_op "all_reduce".
+  bool has_reduce_scatter(const at::Tensor& t) const;
 
   /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
   Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);

@@ -9,6 +9,7 @@
 ///  - Whether the CUDA/NCCL backend is compiled in (`SHARDLAB_HAS_NCCL`).
 ///  - 2.x's TCPStore wants libuv by default (Debian's 2.6 is built without it).
 ///  - 1.13's `Optimizer::zero_grad()` zeroes gradients in place; 2.x's sets them to None by default.
+///  - What c10d's Gloo backend can do itself (2.x gained bfloat16 and the flat collectives).
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -48,6 +49,17 @@ using Work = c10d::Work;
 
 /// True when this build can create NCCL process groups (a CUDA libtorch with c10d NCCL).
 bool has_nccl();
+
+/// What c10d's Gloo backend does natively in this libtorch line; where it cannot, the Communicator falls back
+/// (Note [Fallbacks] in communicator.cpp). 1.13: none of these. 2.6 and later: all three. No line has AVG.
+struct GlooFeatures {
+  bool bfloat16 = false;         ///< reduces and moves bfloat16 tensors
+  bool flat_all_gather = false;  ///< `_allgather_base` (tensor in, flat tensor out), for CPU tensors
+  bool reduce_scatter = false;   ///< `_reduce_scatter_base` (flat tensor in, chunk out), for CPU tensors
+};
+
+/// The Gloo features of the libtorch this was compiled against.
+GlooFeatures gloo_features();
 
 /// Creates a Gloo backend for `rank` of `size` that rendezvous through `store`.
 /// @param store rendezvous store shared by the group's ranks.

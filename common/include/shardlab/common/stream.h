@@ -46,7 +46,9 @@ class Stream {
   /// The c10 stream, for APIs that take one.
   const c10::Stream& raw() const { return stream_; }
 
+  /// Same device and same stream.
   friend bool operator==(const Stream& a, const Stream& b) { return a.stream_ == b.stream_; }
+  /// Not the same stream.
   friend bool operator!=(const Stream& a, const Stream& b) { return !(a == b); }
 
  private:
@@ -60,8 +62,10 @@ class Event {
  public:
   /// An event for streams of `device`'s type.
   explicit Event(c10::Device device);
-  Event(Event&&) = default;
-  Event& operator=(Event&&) = default;
+  /// Takes over `other`'s recorded point.
+  Event(Event&& other) = default;
+  /// Takes over `other`'s recorded point (this event's is dropped).
+  Event& operator=(Event&& other) = default;
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
   ~Event() = default;
@@ -84,6 +88,7 @@ class Event {
 /// it is destroyed. A no-op on CPU.
 class StreamGuard {
  public:
+  /// Makes `stream` (and its device) current until the guard is destroyed.
   explicit StreamGuard(const Stream& stream);
   StreamGuard(const StreamGuard&) = delete;
   StreamGuard& operator=(const StreamGuard&) = delete;
