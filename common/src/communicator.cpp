@@ -9,9 +9,11 @@
 #include <utility>
 
 // Note [Fallbacks]
-// Gloo 1.13 has no ReduceOp::AVG, no bfloat16, no flat (tensor-in, tensor-out) all-gather and no reduce-scatter;
-// Gloo 2.6 has all but AVG (compat::gloo_features() says which, for this build). Where the backend lacks one, the
-// Communicator keeps one API over every backend and falls back like this:
+// Gloo 1.13 has no ReduceOp::AVG, no bfloat16, no flat (tensor-in, tensor-out) all-gather and no reduce-scatter.
+// Gloo 2.6 has bfloat16 and the flat all-gather (compat::gloo_features() says which, for this build); its
+// `_reduce_scatter_base` is an all-reduce of the whole input inside, and checks shapes with an abort, so the
+// fallback below is used instead, and says honestly what went on the wire. Where the backend lacks something,
+// the Communicator keeps one API over every backend and falls back like this:
 //  - AVG           → SUM on the wire, then the waiting thread divides by size() (floating dtypes only).
 //  - bfloat16      → the tensor is cast to float32 (exact), communicated, and cast back on wait(); the record shows
 //                    wire_dtype float32 and twice the bytes.
@@ -105,9 +107,7 @@ bool Communicator::has_flat_all_gather(const at::Tensor& t) const {
   return kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && t.is_cpu());
 }
 
-bool Communicator::has_reduce_scatter(const at::Tensor& t) const {
-  return kind_ == BackendKind::kNccl || (compat::gloo_features().reduce_scatter && t.is_cpu());
-}
+bool Communicator::has_reduce_scatter(const at::Tensor& /*t*/) const { return kind_ == BackendKind::kNccl; }
 
 void Communicator::check_tensor(const at::Tensor& t, const char* what, const char* op) const {
   auto fail = [&](const std::string& msg) {
@@ -144,11 +144,13 @@ size_t Communicator::record(const char* op, const char* wire_op, const at::Tenso
 }
 
 Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
-                            const char* op) {
-  // Completion time comes from the backend's future (set on its worker thread), so the record shows when the
-  // collective really ended, not when someone waited for it.
+                            const char* op, bool on_cpu) {
+  // CPU tensors: the completion time comes from the backend's future (set on its worker thread), so the record
+  // shows when the collective really ended, not when someone waited for it. CUDA tensors: the future completes
+  // when the work is queued on the GPU, so the record ends when wait() has synchronized with it instead.
   std::shared_ptr<CommRecorder> rec = recorder_;
   try {
+    if (!on_cpu) throw std::runtime_error("timed at wait()");
     work->getFuture()->addCallback([rec, record_index](c10::ivalue::Future&) { rec->finish(record_index); });
   } catch (const std::exception&) {
     auto inner = std::move(finish);
@@ -184,7 +186,7 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
       if (!wire.is_same(t)) t.copy_(wire);
     };
   }
-  return submit(std::move(work), idx, std::move(finish), "all_reduce");
+  return submit(std::move(work), idx, std::move(finish), "all_reduce", t.is_cpu());
 }
 
 Handle Communicator::broadcast(const at::Tensor& t, int root) {
@@ -202,7 +204,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
   auto work = backend_->broadcast(tensors, opts);
   std::function<void()> finish;
   if (bf16_fallback) finish = [t, wire] { t.copy_(wire); };
-  return submit(std::move(work), idx, std::move(finish), "broadcast");
+  return submit(std::move(work), idx, std::move(finish), "broadcast", t.is_cpu());
 }
 
 Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
@@ -225,10 +227,10 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
   std::function<void()> finish;
   if (bf16_fallback) finish = [output, wire_out] { output.view({-1}).copy_(wire_out); };
   if (has_flat_all_gather(input)) {
-    at::Tensor in = wire_in.contiguous();
+    at::Tensor in = wire_in.contiguous().view({-1});  // the backend splits the output into pieces shaped like this
     const size_t idx = record("all_gather", "all_gather", input, in, nullptr);
     auto work = backend_->_allgather_base(wire_out, in, opts);
-    return submit(std::move(work), idx, std::move(finish), "all_gather");
+    return submit(std::move(work), idx, std::move(finish), "all_gather", input.is_cpu());
   }
   std::vector<at::Tensor> chunks;
   chunks.reserve(size_);
@@ -238,7 +240,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
   std::vector<at::Tensor> inputs{wire_in.contiguous()};
   const size_t idx = record("all_gather", "all_gather(list)", input, wire_in, nullptr);
   auto work = backend_->allgather(outputs, inputs, opts);
-  return submit(std::move(work), idx, std::move(finish), "all_gather");
+  return submit(std::move(work), idx, std::move(finish), "all_gather", input.is_cpu());
 }
 
 Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
@@ -246,7 +248,8 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   check_tensor(input, "input", "reduce_scatter");
   if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
     throw std::invalid_argument(std::string("reduce_scatter: output and input must share dtype and device; got ") +
-                                c10::toString(output.scalar_type()) + " and " + c10::toString(input.scalar_type()));
+                                c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
+                                c10::toString(input.scalar_type()) + "/" + input.device().str());
   if (input.numel() != size_ * output.numel())
     throw std::invalid_argument("reduce_scatter: input must have world_size * output.numel() = " +
                                 std::to_string(size_ * output.numel()) + " elements; got " +
@@ -254,28 +257,16 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));
-  const bool bf16_fallback = !reduces_natively(input.scalar_type());
-  if (has_reduce_scatter(input)) {
-    // Native: the backend reduces and scatters. AVG where the backend has it (NCCL), else SUM then divide.
-    const bool native_avg = kind_ == BackendKind::kNccl;
+  if (has_reduce_scatter(input)) {  // NCCL: reduces (AVG included) and scatters by itself
     c10d::ReduceScatterOptions opts;
-    opts.reduceOp = (op == ReduceOp::kAvg && native_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     opts.timeout = timeout_;
-    at::Tensor in = bf16_fallback ? input.to(c10::kFloat) : input;
-    at::Tensor out = bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat))
-                                   : output.view({-1});
+    at::Tensor in = input.view({-1}), out = output.view({-1});
     const size_t idx = record("reduce_scatter", "reduce_scatter", input, in, &op);
     auto work = backend_->_reduce_scatter_base(out, in, opts);
-    const bool divide = op == ReduceOp::kAvg && !native_avg;
-    std::function<void()> finish;
-    if (divide || bf16_fallback) {
-      finish = [output, out, divide, bf16_fallback, n = size_] {
-        if (divide) out.div_(n);
-        if (bf16_fallback) output.view({-1}).copy_(out);
-      };
-    }
-    return submit(std::move(work), idx, std::move(finish), "reduce_scatter");
+    return submit(std::move(work), idx, nullptr, "reduce_scatter", input.is_cpu());
   }
+  const bool bf16_fallback = !reduces_natively(input.scalar_type());
   // See Note [Fallbacks]: all-reduce a private copy of the whole input, keep this rank's chunk.
   at::Tensor wire = bf16_fallback ? input.to(c10::kFloat) : input.clone();
   c10d::AllreduceOptions opts;
@@ -289,7 +280,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
     if (op == ReduceOp::kAvg) mine.div_(n);
     output.view({-1}).copy_(mine);
   };
-  return submit(std::move(work), idx, std::move(finish), "reduce_scatter");
+  return submit(std::move(work), idx, std::move(finish), "reduce_scatter", input.is_cpu());
 }
 
 void Communicator::barrier() {
@@ -297,7 +288,7 @@ void Communicator::barrier() {
   opts.timeout = timeout_;
   at::Tensor none = at::empty({0});
   const size_t idx = record("barrier", "barrier", none, none, nullptr);
-  submit(backend_->barrier(opts), idx, nullptr, "barrier").wait();
+  submit(backend_->barrier(opts), idx, nullptr, "barrier", kind_ == BackendKind::kGloo).wait();
 }
 
 }  // namespace shardlab

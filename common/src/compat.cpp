@@ -49,7 +49,6 @@ GlooFeatures gloo_features() {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
   f.bfloat16 = true;
   f.flat_all_gather = true;
-  f.reduce_scatter = true;
 #endif
   return f;
 }

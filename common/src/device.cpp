@@ -3,6 +3,7 @@
 #include <ATen/Context.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <limits>
 #include <stdexcept>
 
 namespace shardlab {
@@ -17,7 +18,11 @@ c10::Device parse_device(const std::string& name) {
   if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() || name.size() > prefix.size() + 3) throw bad();
   for (size_t i = prefix.size(); i < name.size(); ++i)
     if (name[i] < '0' || name[i] > '9') throw bad();
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(name.substr(prefix.size()))));
+  const int index = std::stoi(name.substr(prefix.size()));
+  if (index > std::numeric_limits<c10::DeviceIndex>::max())  // c10 stores the index in a small integer
+    throw std::invalid_argument("device '" + name + "': GPU index " + std::to_string(index) + " is out of range; " +
+                                "expected at most " + std::to_string(std::numeric_limits<c10::DeviceIndex>::max()));
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 bool cuda_available() { return at::hasCUDA(); }
@@ -34,15 +39,22 @@ c10::Device device_for_rank(const c10::Device& requested, int local_rank) {
                                 (at::Context::hasCUDART() ? std::string("no GPU is visible (CUDA_VISIBLE_DEVICES?)")
                                                  : std::string("this libtorch was built without CUDA")));
   const int index = requested.has_index() ? requested.index() : local_rank;
-  if (index < 0 || index >= gpus)
-    throw std::invalid_argument("GPU index " + std::to_string(index) + (requested.has_index() ? "" : " (LOCAL_RANK)") +
-                                " is not visible; expected 0.." + std::to_string(gpus - 1) +
+  if (index < 0 || index >= gpus) {
+    const std::string visible = "; " + std::to_string(gpus) + " visible, cuda:0..cuda:" + std::to_string(gpus - 1);
+    if (requested.has_index())
+      throw std::invalid_argument("device " + requested.str() + " is not a visible GPU" + visible);
+    throw std::invalid_argument("device cuda for LOCAL_RANK " + std::to_string(local_rank) + " means cuda:" +
+                                std::to_string(index) + ", not a visible GPU" + visible +
                                 ": launch at most one process per GPU on each machine");
+  }
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 void set_current_device(const c10::Device& device) {
   if (device.is_cpu()) return;
+  if (!device.has_index())
+    throw std::invalid_argument("set_current_device: expected a device with an index (cuda:N); got " +
+                                device.str() + " (device_for_rank gives this rank's)");
   c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
 }
 

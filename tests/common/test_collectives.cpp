@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #include <iostream>
 #include <future>
@@ -52,6 +53,11 @@ class CollectivesByWorld : public ::testing::TestWithParam<GroupCase> {
 
 double sum_1_to(int w) { return w * (w + 1) / 2.0; }
 
+// What Gloo does itself, stated here independently of compat::gloo_features() on purpose, so that a wrong version
+// gate there fails here. Probed: 1.13 has neither bf16 nor the flat all-gather; 2.6 has both (CPU tensors).
+constexpr bool kGlooBf16AndFlatAllGather =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6);
+
 TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
   const int world = GetParam().world;
   run_ranks(world, [&](Communicator& c) {
@@ -79,9 +85,8 @@ TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
       EXPECT_GT(r.end_ns, 0);
       EXPECT_GE(r.end_ns, r.start_ns);
       // On Gloo 1.13 bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
-      const bool native = c.reduces_natively(r.dtype);
-      EXPECT_EQ(native, !(c.kind() == BackendKind::kGloo && r.dtype == at::kBFloat16 &&
-                          !compat::gloo_features().bfloat16));
+      const bool native = c.kind() == BackendKind::kNccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
+      EXPECT_EQ(c.reduces_natively(r.dtype), native) << c10::toString(r.dtype);
       EXPECT_EQ(r.bytes, native ? 10 * static_cast<int64_t>(c10::elementSize(r.dtype)) : 40)
           << c10::toString(r.dtype);
       EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat);
@@ -104,6 +109,12 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       c.all_gather(out, in).wait();
       for (int r = 0; r < world; ++r)
         EXPECT_TRUE(at::equal(out.narrow(0, 3 * r, 3), at::arange(3, in.options()) + 10.0 * r)) << "chunk " << r;
+      // any shapes with the right element counts: a [2, 3] input into a [world, 2, 3] output
+      at::Tensor in2 = (at::arange(6, on_device(dt)) + 10.0 * c.rank()).view({2, 3});
+      at::Tensor out2 = at::empty({world, 2, 3}, in2.options());
+      c.all_gather(out2, in2).wait();
+      for (int r = 0; r < world; ++r)
+        EXPECT_TRUE(at::equal(out2[r], (at::arange(6, in2.options()) + 10.0 * r).view({2, 3}))) << "2-D chunk " << r;
 
       // reduce_scatter: every rank sends the same [0, 1, ..., 2w-1] * (rank+1); rank r keeps chunk r of the sum
       at::Tensor full = at::arange(2 * world, on_device(dt)) * static_cast<double>(c.rank() + 1);
@@ -111,32 +122,40 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       at::Tensor mine = at::empty({2}, full.options()), mine_avg = at::empty({2}, full.options());
       c.reduce_scatter(mine, full, ReduceOp::kSum).wait();
       c.reduce_scatter(mine_avg, full, ReduceOp::kAvg).wait();
+      at::Tensor mine_2d = at::empty({1, 2}, full.options());
+      c.reduce_scatter(mine_2d, full.view({world, 2}), ReduceOp::kSum).wait();  // shapes need not be flat
       at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, on_device(at::kDouble)) *
                           sum_1_to(world);
       EXPECT_LE((mine.to(at::kDouble) - expect).abs().max().item<double>(), 1e-6);
+      EXPECT_TRUE(at::equal(mine_2d.view({-1}), mine)) << "the 2-D reduce_scatter gives the same chunk";
       EXPECT_LE((mine_avg.to(at::kDouble) - expect / world).abs().max().item<double>(), 0.05);
       EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
     }
-    // What really went on the wire. NCCL and Gloo 2.6 (CPU tensors): reduce_scatter and the flat all-gather
-    // natively. Gloo 1.13: reduce_scatter as an all-reduce of the whole input, a list all-gather, bf16 as f32.
+    // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as an all-reduce of the whole
+    // input; 1.13 also a list all-gather and bf16 as f32, 2.6 the flat all-gather (CPU tensors) and bf16 itself.
+    const bool nccl = c.kind() == BackendKind::kNccl;
     const at::Tensor like = at::empty({0}, on_device(at::kFloat));
+    EXPECT_EQ(c.has_reduce_scatter(like), nccl);
+    EXPECT_EQ(c.has_flat_all_gather(like), nccl || (kGlooBf16AndFlatAllGather && device_.is_cpu()));
     int seen = 0;
     for (const auto& r : c.recorder().snapshot()) {
-      const int64_t wire_size = c.reduces_natively(r.dtype) ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
-      EXPECT_EQ(r.wire_dtype, c.reduces_natively(r.dtype) ? r.dtype : at::kFloat) << r.op;
+      const bool native = nccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
+      const int64_t wire_size = native ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
+      EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat) << r.op;
       if (r.op == "reduce_scatter") {
-        EXPECT_EQ(r.wire_op, c.has_reduce_scatter(like) ? "reduce_scatter" : "all_reduce");
+        EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : "all_reduce");
         EXPECT_EQ(r.numel, 2 * world);
         EXPECT_EQ(r.bytes, 2 * world * wire_size);
         ++seen;
       }
       if (r.op == "all_gather") {
         EXPECT_EQ(r.wire_op, c.has_flat_all_gather(like) ? "all_gather" : "all_gather(list)");
-        EXPECT_EQ(r.bytes, 3 * wire_size);
+        EXPECT_TRUE(r.numel == 3 || r.numel == 6) << r.numel;
+        EXPECT_EQ(r.bytes, r.numel * wire_size);
         ++seen;
       }
     }
-    EXPECT_EQ(seen, 6) << "2 dtypes x (1 all_gather + 2 reduce_scatters)";
+    EXPECT_EQ(seen, 10) << "2 dtypes x (2 all_gathers + 3 reduce_scatters)";
     if (c.rank() == 0)
       std::cout << GetParam() << ": reduce_scatter " << (c.has_reduce_scatter(like) ? "native" : "as all_reduce")
                 << ", all_gather " << (c.has_flat_all_gather(like) ? "flat" : "list") << ", bf16 "

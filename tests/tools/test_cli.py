@@ -33,7 +33,9 @@ expect([shardlab, "train", "--backend", "mpi"], 2, "--backend expects one of glo
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
 expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")
 # Checked once by the driver, before any rank starts (this machine may or may not have CUDA).
-expect([shardlab, "train", "--device", "cuda:63"], 2, "cuda")
+# "without CUDA" here; "is not a visible GPU" on a machine with fewer than 64 GPUs. Both name the device.
+expect([shardlab, "train", "--device", "cuda:63"], 2, "device cuda:63")
+expect([shardlab, "train", "--device", "cuda:300"], 2, "GPU index 300 is out of range")
 expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected train, compare or bench")
 expect([shardlab, "--help"], 0, "shardlab compare")
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")

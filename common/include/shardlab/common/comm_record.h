@@ -28,7 +28,8 @@ struct CollectiveRecord {
   std::string group;            ///< name of the Communicator (process group) it ran on
   std::string reduce;           ///< "sum", "avg" or "" for non-reductions
   int64_t start_ns = 0;         ///< steady_clock time of submission
-  int64_t end_ns = 0;           ///< steady_clock time of completion (0 while pending)
+  int64_t end_ns = 0;           ///< steady_clock time of completion (0 while pending); for CUDA tensors, when
+                                ///< wait() had synchronized with it (the host cannot see the GPU finish earlier)
 };
 
 /// A span during which a rank's compute thread was blocked waiting for communication (e.g. the end-of-backward

@@ -7,7 +7,7 @@
 /// before anything is submitted, so a mistake is a C++ exception at the call, never an abort on Gloo's thread.
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
-/// reduce-scatter; Gloo 2.6: no AVG) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
+/// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
 /// really sent. See Note [Fallbacks] in communicator.cpp.
 
 #include "shardlab/common/comm_record.h"
@@ -116,8 +116,8 @@ class Communicator {
   /// True when all_gather of tensors like `t` is the backend's own flat all-gather; false when it goes through the
   /// list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
   bool has_flat_all_gather(const at::Tensor& t) const;
-  /// True when reduce_scatter of tensors like `t` is the backend's own; false when it is an all-reduce of the whole
-  /// input (Gloo 1.13; Gloo with CUDA tensors): the same result, the record shows wire_op "all_reduce".
+  /// True when reduce_scatter of tensors like `t` is the backend's own (NCCL); false when it is an all-reduce of
+  /// the whole input (Gloo, every line): the same result, the record shows wire_op "all_reduce".
   bool has_reduce_scatter(const at::Tensor& t) const;
 
   /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
@@ -137,7 +137,7 @@ class Communicator {
   void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
   size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
   Handle submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
-                const char* op);
+                const char* op, bool on_cpu);
 
   c10::intrusive_ptr<compat::Backend> backend_;
   BackendKind kind_;

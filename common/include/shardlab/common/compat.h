@@ -51,11 +51,11 @@ using Work = c10d::Work;
 bool has_nccl();
 
 /// What c10d's Gloo backend does natively in this libtorch line; where it cannot, the Communicator falls back
-/// (Note [Fallbacks] in communicator.cpp). 1.13: none of these. 2.6 and later: all three. No line has AVG.
+/// (Note [Fallbacks] in communicator.cpp). 1.13: neither. 2.6 and later: both. No line has AVG, and no line has
+/// a reduce-scatter worth calling (2.6's is an all-reduce inside).
 struct GlooFeatures {
   bool bfloat16 = false;         ///< reduces and moves bfloat16 tensors
   bool flat_all_gather = false;  ///< `_allgather_base` (tensor in, flat tensor out), for CPU tensors
-  bool reduce_scatter = false;   ///< `_reduce_scatter_base` (flat tensor in, chunk out), for CPU tensors
 };
 
 /// The Gloo features of the libtorch this was compiled against.

@@ -12,7 +12,7 @@
 
 namespace shardlab {
 
-/// Parses `name`: "cpu", "cuda" or "cuda:N".
+/// Parses `name`: "cpu", "cuda" or "cuda:N" (N at most 127: c10 keeps the index in 8 bits).
 /// @throws std::invalid_argument naming what was expected and what came.
 c10::Device parse_device(const std::string& name);
 
@@ -28,6 +28,7 @@ int cuda_device_count();
 c10::Device device_for_rank(const c10::Device& requested, int local_rank);
 
 /// Makes `device` the current CUDA device of the calling thread (as `torch.cuda.set_device`); a no-op on CPU.
+/// @throws std::invalid_argument for a CUDA device without an index.
 void set_current_device(const c10::Device& device);
 
 }  // namespace shardlab
