@@ -8,7 +8,7 @@ add_test(NAME package_consumer_build
   COMMAND ${CMAKE_COMMAND} -E env --unset=CMAKE_PREFIX_PATH
           ${CMAKE_CTEST_COMMAND} --build-and-test ${CMAKE_CURRENT_SOURCE_DIR}/consumer ${_build}
           --build-generator ${CMAKE_GENERATOR}
-          --build-options -DCMAKE_PREFIX_PATH=${_prefix} -DCMAKE_BUILD_TYPE=Release
+          --build-options -DCMAKE_PREFIX_PATH=${_prefix} -DTorch_DIR=${Torch_DIR} -DCMAKE_BUILD_TYPE=Release
           --test-command ${_build}/shardlab_consumer)
 set_tests_properties(package_install PROPERTIES LABELS package TIMEOUT 120 FIXTURES_SETUP shardlab_installed)
 set_tests_properties(package_consumer_build PROPERTIES LABELS package TIMEOUT 300
