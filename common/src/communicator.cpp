@@ -107,7 +107,7 @@ bool Communicator::has_flat_all_gather(const at::Tensor& t) const {
   return kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && t.is_cpu());
 }
 
-bool Communicator::has_reduce_scatter(const at::Tensor& /*t*/) const { return kind_ == BackendKind::kNccl; }
+bool Communicator::has_reduce_scatter() const { return kind_ == BackendKind::kNccl; }
 
 void Communicator::check_tensor(const at::Tensor& t, const char* what, const char* op) const {
   auto fail = [&](const std::string& msg) {
@@ -149,12 +149,17 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
   // shows when the collective really ended, not when someone waited for it. CUDA tensors: the future completes
   // when the work is queued on the GPU, so the record ends when wait() has synchronized with it instead.
   std::shared_ptr<CommRecorder> rec = recorder_;
-  try {
-    if (!on_cpu) throw std::runtime_error("timed at wait()");
-    work->getFuture()->addCallback([rec, record_index](c10::ivalue::Future&) { rec->finish(record_index); });
-  } catch (const std::exception&) {
-    auto inner = std::move(finish);
-    finish = [rec, record_index, inner = std::move(inner)] {
+  bool timed_by_backend = false;
+  if (on_cpu) {
+    try {
+      work->getFuture()->addCallback([rec, record_index](c10::ivalue::Future&) { rec->finish(record_index); });
+      timed_by_backend = true;
+    } catch (const std::exception&) {
+      // a backend without a future: timed at wait() below
+    }
+  }
+  if (!timed_by_backend) {
+    finish = [rec, record_index, inner = std::move(finish)] {
       rec->finish(record_index);
       if (inner) inner();
     };
@@ -257,7 +262,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));
-  if (has_reduce_scatter(input)) {  // NCCL: reduces (AVG included) and scatters by itself
+  if (has_reduce_scatter()) {  // NCCL: reduces (AVG included) and scatters by itself
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
     opts.timeout = timeout_;

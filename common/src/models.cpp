@@ -162,4 +162,10 @@ std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
   throw std::invalid_argument("unknown model '" + name + "'; expected one of: mlp, tiny_gpt, edge");
 }
 
+std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed, const c10::Device& device) {
+  auto model = make_model(name, seed);
+  model->to(device);
+  return model;
+}
+
 }  // namespace shardlab

@@ -30,10 +30,13 @@ std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model) {
   return out;
 }
 
+c10::Device device_of(const TrainConfig& config) {
+  return device_for_rank(parse_device(config.device), /*local_rank=*/0);
+}
+
 ReferenceResult train_reference(const TrainConfig& config) {
-  const c10::Device device = device_for_rank(parse_device(config.device), /*local_rank=*/0);
-  auto model = make_model(config.model, config.seed);  // initialized on CPU: the same values on every device
-  model->to(device);
+  const c10::Device device = device_of(config);
+  auto model = make_model(config.model, config.seed, device);
   auto data = make_dataset(config.model, config.seed);
   auto optimizer = make_optimizer(config.optimizer, trainable_parameters(*model), config.lr);
   ReferenceResult result;

@@ -28,7 +28,7 @@ GroupOptions test_group() {
 
 // One rank's training through NaiveDDP (see test_support::train_replica); returns the final parameters.
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
-  auto model = test_support::model_on(c.model, c.seed, device_for_rank(parse_device(c.device), 0));
+  auto model = make_model(c.model, c.seed, device_of(c));
   NaiveDDP ddp(model, comm);
   return test_support::train_replica(comm, c, *model, ddp);
 }

@@ -39,7 +39,7 @@ BucketCaps mlp_caps(int buckets) {
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options,
                                    size_t* buckets = nullptr) {
-  auto model = test_support::model_on(c.model, c.seed, device_for_rank(parse_device(c.device), 0));
+  auto model = make_model(c.model, c.seed, device_of(c));
   BucketedDDP ddp(model, comm, options);
   auto params = test_support::train_replica(comm, c, *model, ddp);
   if (buckets) *buckets = ddp.buckets().size();

@@ -88,7 +88,7 @@ TEST(PredivideFactor, FollowsTheSeedsRuleForWorldSizes1To16) {
 // Training helpers (the loop is test_support::train_replica, shared with stages 01 and 02)
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options) {
-  auto model = test_support::model_on(c.model, c.seed, device_for_rank(parse_device(c.device), 0));
+  auto model = make_model(c.model, c.seed, device_of(c));
   BucketedDDP ddp(model, comm, options);
   return test_support::train_replica(comm, c, *model, ddp);
 }

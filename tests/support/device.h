@@ -4,10 +4,8 @@
 // tensors), the way the suite is run on a GPU machine.
 #include "shardlab/common/compat.h"
 #include "shardlab/common/device.h"
-#include "shardlab/common/model.h"
 
 #include <cstdlib>
-#include <memory>
 #include <string>
 
 namespace shardlab::test_support {
@@ -23,12 +21,5 @@ inline c10::Device device() { return device_for_rank(parse_device(device_name())
 
 /// True when NCCL can run here: a CUDA libtorch with c10d NCCL and a visible GPU.
 inline bool nccl_usable() { return compat::has_nccl() && cuda_available(); }
-
-/// Model `name` from `seed`, initialized on CPU (so every device starts from the same values) and moved to `dev`.
-inline std::shared_ptr<Model> model_on(const std::string& name, uint64_t seed, const c10::Device& dev) {
-  auto model = make_model(name, seed);
-  model->to(dev);
-  return model;
-}
 
 }  // namespace shardlab::test_support

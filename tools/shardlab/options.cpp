@@ -74,7 +74,7 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     else if (flag == "--first-bucket-kb") o.strategy_options.first_bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
     else if (flag == "--trace") o.trace_dir = v;
     else if (flag == "--threads") o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
-    else if (flag == "--device") o.train.device = (parse_device(v), v);
+    else if (flag == "--device") o.train.device = parse_device(v).str();
     else if (flag == "--backend") o.backend = one_of(flag, v, {"gloo", "nccl"});
     else throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }

@@ -15,12 +15,9 @@
 namespace shardlab::cli {
 namespace {
 
-// Model `c.model` initialized on CPU (the same values everywhere) and moved to `c.device` (an index already
-// resolved by the worker).
+// Model `c.model` on `c.device` (an index the worker has already resolved for this rank).
 std::shared_ptr<Model> model_on_device(const TrainConfig& c) {
-  auto model = make_model(c.model, c.seed);
-  model->to(parse_device(c.device));
-  return model;
+  return make_model(c.model, c.seed, parse_device(c.device));
 }
 
 // The single-device "wrapper": no communication at all.

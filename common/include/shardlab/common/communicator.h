@@ -116,9 +116,9 @@ class Communicator {
   /// True when all_gather of tensors like `t` is the backend's own flat all-gather; false when it goes through the
   /// list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
   bool has_flat_all_gather(const at::Tensor& t) const;
-  /// True when reduce_scatter of tensors like `t` is the backend's own (NCCL); false when it is an all-reduce of
-  /// the whole input (Gloo, every line): the same result, the record shows wire_op "all_reduce".
-  bool has_reduce_scatter(const at::Tensor& t) const;
+  /// True when reduce_scatter is the backend's own (NCCL); false when it is an all-reduce of the whole input
+  /// (Gloo, every line): the same result, the record shows wire_op "all_reduce".
+  bool has_reduce_scatter() const;
 
   /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
   Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);

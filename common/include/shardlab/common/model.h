@@ -7,6 +7,7 @@
 /// it belongs to (some test models use it to leave a parameter without gradient on odd steps).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -43,6 +44,10 @@ const std::vector<std::string>& model_names();
 /// Builds model `name` with parameters drawn from `seed`.
 /// @throws std::invalid_argument naming the accepted models if `name` is unknown.
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed);
+
+/// Model `name` from `seed`, initialized on CPU (so every device starts from bit-identical values) and then moved
+/// to `device`. @throws std::invalid_argument as make_model(name, seed).
+std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed, const c10::Device& device);
 
 /// Fills every parameter and buffer of `module` from a private generator seeded with `seed` (normal, std 0.02 for
 /// matrices, zeros for biases, ones for norm weights). Used by the models; exposed for tests that need ranks to

@@ -25,6 +25,10 @@ struct TrainConfig {
   std::string device = "cpu";      ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
 };
 
+/// The device `config.device` names, for one process ("cuda" means cuda:0), checked as device_for_rank does.
+/// @throws std::invalid_argument naming what was expected and what came.
+c10::Device device_of(const TrainConfig& config);
+
 /// Builds optimizer `name` ("sgd" or "adamw") over `params`.
 /// @throws std::invalid_argument naming the accepted optimizers.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
