@@ -10,6 +10,17 @@
 /// the launcher's group) the ranks die too; what they started themselves may then outlive them, as nothing is left
 /// to signal their groups.
 ///
+/// Note [Reaping a rank's whole group]
+/// Killing a group is asynchronous: SIGKILL is only *pending* in each member until the kernel schedules it, and a
+/// rank's own children (`sh -c 'sleep 30'` forks the sleep) are not ours to wait for. So reaping the rank alone
+/// could return while its children still run, and on a loaded machine a caller that looks for them right after
+/// launch() returns finds them (the old flake of tool_cli_errors). On Linux the launcher therefore makes itself a
+/// child subreaper for the duration of launch(): whatever a rank leaves behind when it dies is re-parented to the
+/// launcher rather than to init, and after reaping the rank we wait (waitid(P_PGID)) for every process of its group.
+/// The group id stays allocated while any member lives, so that wait cannot hit another program's group. When
+/// launch() returns, nothing a rank started in its own group is alive. (A process that left the group with
+/// setsid/setpgid is out of reach, as for torchrun.)
+///
 /// Note [Environment after fork]
 /// The launcher may be multi-threaded (libtorch), and after fork() the child may only call async-signal-safe
 /// functions: no setenv, no malloc. So every rank's environment is built in the parent and the child only points
@@ -78,6 +89,36 @@ constexpr auto kPollSlice = std::chrono::milliseconds(50);  // how often exits a
   throw std::system_error(errno, std::generic_category(), what);
 }
 
+/// Waits for every process of group `pgid` that is our child (the rank's leftovers, re-parented to us) after the
+/// group was sent SIGKILL. Returns at once where there are none. See Note [Reaping a rank's whole group].
+void reap_group(pid_t pgid) {
+  siginfo_t info{};
+  while (waitid(P_PGID, static_cast<id_t>(pgid), &info, WEXITED) == 0 || errno == EINTR) {
+  }
+}
+
+/// Makes the launcher a child subreaper while it lives (Linux), then restores the caller's setting.
+/// See Note [Reaping a rank's whole group].
+class SubreaperGuard {
+ public:
+  SubreaperGuard() {
+#ifdef __linux__
+    prctl(PR_GET_CHILD_SUBREAPER, &old_);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+#endif
+  }
+  ~SubreaperGuard() {
+#ifdef __linux__
+    prctl(PR_SET_CHILD_SUBREAPER, old_);
+#endif
+  }
+  SubreaperGuard(const SubreaperGuard&) = delete;
+  SubreaperGuard& operator=(const SubreaperGuard&) = delete;
+
+ private:
+  int old_ = 0;
+};
+
 /// One rank's process and the read end of its output pipe.
 struct RankProc {
   pid_t pid = -1;
@@ -116,7 +157,10 @@ class Job {
   ~Job() {
     signal_running(SIGKILL);
     for (auto& r : ranks_) {
-      if (r.running) waitpid(r.pid, nullptr, 0);
+      if (r.running) {
+        waitpid(r.pid, nullptr, 0);
+        reap_group(r.pid);
+      }
       if (r.fd >= 0) close(r.fd);
     }
   }
@@ -210,6 +254,7 @@ class Job {
     kill(-ranks_[r].pid, SIGKILL);
     int status = 0;
     waitpid(ranks_[r].pid, &status, 0);
+    reap_group(ranks_[r].pid);
     ranks_[r].running = false;
     return status;
   }
@@ -311,6 +356,7 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
   std::vector<char*> c_args = c_strings(args);
 
   InterruptGuard interrupt_guard;
+  SubreaperGuard subreaper_guard;  // declared before the Job: its destructor reaps groups while we are subreaper
   Job job(options.nproc);
   for (int r = 0; r < options.nproc; ++r) {
     std::vector<std::pair<std::string, std::string>> vars = {{"RANK", std::to_string(r)},

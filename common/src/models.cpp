@@ -54,14 +54,15 @@ void init_parameters(torch::nn::Module& module, uint64_t seed) {
 Mlp::Mlp(const std::vector<int64_t>& sizes, uint64_t seed) {
   if (sizes.size() < 2) throw std::invalid_argument("Mlp: expected at least 2 layer sizes (input, classes)");
   for (size_t i = 0; i + 1 < sizes.size(); ++i)
-    layers_.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(sizes[i], sizes[i + 1])));
+    layers_.push_back(
+        register_unit("fc" + std::to_string(i), std::make_shared<torch::nn::LinearImpl>(sizes[i], sizes[i + 1])));
   init_parameters(*this, seed);
 }
 
 at::Tensor Mlp::forward(const at::Tensor& x) {
   at::Tensor h = x;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    h = layers_[i]->forward(h);
+    h = layers_[i](h);
     if (i + 1 < layers_.size()) h = at::relu(h);
   }
   return h;
@@ -102,7 +103,7 @@ TinyGpt::TinyGpt(const GptConfig& c, uint64_t seed) : config_(c) {
   wte_ = register_module("wte", torch::nn::Embedding(c.vocab, c.dim));
   wpe_ = register_module("wpe", torch::nn::Embedding(c.block, c.dim));
   for (int64_t i = 0; i < c.layers; ++i)
-    blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<GptBlock>(c)));
+    blocks_.push_back(register_unit("block" + std::to_string(i), std::make_shared<GptBlock>(c)));
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   init_parameters(*this, seed);
 }
@@ -114,7 +115,7 @@ at::Tensor TinyGpt::forward(const at::Tensor& tokens) {
                                 std::to_string(config_.block));
   at::Tensor pos = at::arange(T, tokens.options().dtype(at::kLong));
   at::Tensor x = wte_->forward(tokens) + wpe_->forward(pos);
-  for (auto& b : blocks_) x = b->forward(x);
+  for (auto& b : blocks_) x = b(x);
   // The output layer is the token embedding itself (weight tying): one parameter, two uses.
   return at::matmul(ln_f_->forward(x), wte_->weight.t());
 }
@@ -127,8 +128,8 @@ at::Tensor TinyGpt::loss(const Batch& batch) {
 // ---- EdgeModel -------------------------------------------------------------------------------------------------
 
 EdgeModel::EdgeModel(uint64_t seed) {
-  trunk_ = register_module("trunk", torch::nn::Linear(8, 7));
-  head_ = register_module("head", torch::nn::Linear(7, 3));
+  trunk_ = register_unit("trunk", std::make_shared<torch::nn::LinearImpl>(8, 7));
+  head_ = register_unit("head", std::make_shared<torch::nn::LinearImpl>(7, 3));
   frozen_ = register_parameter("frozen", at::zeros({3}), /*requires_grad=*/false);
   sometimes_ = register_parameter("sometimes", at::zeros({3, 7}));
   scale_ = register_buffer("scale", at::ones({7}));
@@ -136,8 +137,8 @@ EdgeModel::EdgeModel(uint64_t seed) {
 }
 
 at::Tensor EdgeModel::forward(const at::Tensor& x, int64_t step) {
-  at::Tensor h = at::relu(trunk_->forward(x)) * scale_;
-  at::Tensor out = head_->forward(h) + frozen_;
+  at::Tensor h = at::relu(trunk_(x)) * scale_;
+  at::Tensor out = head_(h) + frozen_;
   if (step % 2 == 0) out = out + at::matmul(h, sometimes_.t());
   return out;
 }
@@ -160,6 +161,16 @@ std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
   }
   if (name == "edge") return std::make_shared<EdgeModel>(seed);
   throw std::invalid_argument("unknown model '" + name + "'; expected one of: mlp, tiny_gpt, edge");
+}
+
+std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device) {
+  if (layers < 1) throw std::invalid_argument("tiny_gpt: expected at least 1 layer; got " + std::to_string(layers));
+  GptConfig c;
+  c.vocab = static_cast<int64_t>(corpus_vocab().size());
+  c.layers = layers;
+  auto model = std::make_shared<TinyGpt>(c, seed);
+  model->to(device);
+  return model;
 }
 
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed, const c10::Device& device) {

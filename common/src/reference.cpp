@@ -34,9 +34,14 @@ c10::Device device_of(const TrainConfig& config) {
   return device_for_rank(parse_device(config.device), /*local_rank=*/0);
 }
 
+std::shared_ptr<Model> make_model(const TrainConfig& config, const c10::Device& device) {
+  if (config.model == "tiny_gpt") return make_tiny_gpt(config.layers, config.seed, device);
+  return make_model(config.model, config.seed, device);
+}
+
 ReferenceResult train_reference(const TrainConfig& config) {
   const c10::Device device = device_of(config);
-  auto model = make_model(config.model, config.seed, device);
+  auto model = make_model(config, device);
   auto data = make_dataset(config.model, config.seed);
   auto optimizer = make_optimizer(config.optimizer, trainable_parameters(*model), config.lr);
   ReferenceResult result;

@@ -44,22 +44,38 @@ expect([launcher, "-n", "2", "--", "sh", "-c", "exit $RANK"], 1, "rank 1")
 
 
 def interrupt_stops_every_rank():
-    """Ctrl-C (SIGINT) on the launcher stops the ranks (in their own process groups) and leaves none behind."""
+    """Ctrl-C (SIGINT) on the launcher stops the ranks (in their own process groups) and leaves none behind.
+
+    Waits for states, not times: the signal goes only once both ranks have printed "ready" (so the launcher has
+    installed its handlers and forked every rank), and the launcher guarantees that when it exits every process
+    of every rank's group has been reaped (Note [Reaping a rank's whole group]), so leftovers are looked for at once.
+    Each rank's `sh` forks the `sleep`, so a rank leaves a child of its own behind if the launcher only reaps ranks.
+    """
     global failures
-    import os, signal, time
+    import os, signal, threading
     marker = "sleep 61.%d" % os.getpid()  # a command line no other process has
-    p = subprocess.Popen([launcher, "-n", "2", "--", "sh", "-c", marker],
+    p = subprocess.Popen([launcher, "-n", "2", "--", "sh", "-c", "echo ready; " + marker],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.0)
-    t0 = time.time()
+    watchdog = threading.Timer(60, p.kill)  # only if the launcher never gets both ranks running
+    watchdog.start()
+    seen, ready = [], set()
+    for line in p.stdout:
+        seen.append(line.rstrip("\n"))
+        if line.rstrip().endswith("] ready"):
+            ready.add(line.split("]")[0])
+        if len(ready) == 2:
+            break
+    watchdog.cancel()
     p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=20)
-    elapsed = time.time() - t0
+    out, _ = p.communicate(timeout=30)
+    out = "\n".join(seen) + "\n" + out
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    ok = p.returncode == 130 and "interrupted by signal 2" in out and not left
-    print("ok  " if ok else "FAIL", f"SIGINT -> exit {p.returncode} after {elapsed:.2f} s, {len(left)} ranks left:",
-          out.strip().splitlines()[-1] if out.strip() else "")
+    ok = len(ready) == 2 and p.returncode == 130 and "interrupted by signal 2" in out and not left
+    print("ok  " if ok else "FAIL", f"SIGINT once {len(ready)} ranks were ready -> exit {p.returncode},",
+          f"{len(left)} processes left:", out.strip().splitlines()[-1] if out.strip() else "")
     if not ok:
+        print("     output:\n", out)
+        subprocess.run(["pkill", "-KILL", "-f", marker])
         failures += 1
 
 

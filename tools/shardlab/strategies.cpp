@@ -17,7 +17,7 @@ namespace {
 
 // Model `c.model` on `c.device` (an index the worker has already resolved for this rank).
 std::shared_ptr<Model> model_on_device(const TrainConfig& c) {
-  return make_model(c.model, c.seed, parse_device(c.device));
+  return make_model(c, parse_device(c.device));
 }
 
 // The single-device "wrapper": no communication at all.

@@ -1,9 +1,5 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
-#include "shardlab/common/compat.h"
-
-#include <torch/csrc/autograd/function.h>
-
 #include <stdexcept>
 
 namespace shardlab::naive_ddp {
@@ -13,7 +9,8 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
   for (const auto& p : module_->parameters(/*recurse=*/true))
     if (p.requires_grad()) params_.push_back(p);
   broadcast_state(*module_, comm_);
-  register_hooks();
+  readiness_ = std::make_unique<GradientReadiness>(
+      params_, [this](size_t i) { on_gradient_ready(i); }, [this] { finish_sync(); });
 }
 
 NaiveDDP::~NaiveDDP() {
@@ -27,7 +24,7 @@ NaiveDDP::~NaiveDDP() {
 }
 
 at::Tensor NaiveDDP::loss(const Batch& batch) {
-  if (callback_queued_) finish_sync();  // the last backward ended early: settle what it launched
+  if (readiness_->forget_pending_end()) finish_sync();  // the last backward ended early: settle what it launched
   return module_->loss(batch);
 }
 
@@ -41,29 +38,10 @@ void broadcast_state(Model& module, Communicator& comm) {
   // END SOLUTION
 }
 
-void NaiveDDP::register_hooks() {
-  // BEGIN SOLUTION(01): install a post-accumulate hook on every trainable parameter
-  // The hook must fire AFTER autograd accumulated into .grad(), so it sees the sum over micro-batches
-  // (a hook on the incoming gradient would miss them: picotron issue #39).
-  for (size_t i = 0; i < params_.size(); ++i) {
-    std::weak_ptr<int> alive = alive_;
-    accumulators_.push_back(compat::add_post_accumulate_hook(params_[i], [this, alive, i] {
-      if (!alive.expired()) on_gradient_ready(i);
-    }));
-  }
-  // END SOLUTION
-}
-
 void NaiveDDP::on_gradient_ready(size_t index) {
   // BEGIN SOLUTION(01): launch an asynchronous average of this parameter's gradient
   if (!sync_enabled_) return;  // accumulating locally: the last micro-batch synchronizes
-  if (!callback_queued_) {
-    callback_queued_ = true;
-    std::weak_ptr<int> alive = alive_;
-    compat::queue_end_of_backward([this, alive] {
-      if (!alive.expired()) finish_sync();
-    });
-  }
+  readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
   // Reduce the gradient (not the parameter), in place, averaged over ranks; backward keeps running meanwhile.
   pending_.push_back(comm_.all_reduce(params_[index].grad(), ReduceOp::kAvg));
   // END SOLUTION
@@ -72,7 +50,6 @@ void NaiveDDP::on_gradient_ready(size_t index) {
 void NaiveDDP::finish_sync() {
   const int64_t start = now_ns();
   // BEGIN SOLUTION(01): wait for every all-reduce launched during this backward
-  callback_queued_ = false;
   std::vector<Handle> handles = std::move(pending_);
   pending_.clear();
   for (auto& h : handles) h.wait();

@@ -1,6 +1,6 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 
-#include "shardlab/common/compat.h"
+#include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -12,18 +12,6 @@
 #include <unordered_set>
 
 namespace shardlab::bucketed_ddp {
-namespace {
-
-// The gradient slot of a parameter: `numel(sizes)` elements of `flat` starting at `offset`, shaped like the
-// parameter. It shares the buffer's storage but is not an autograd *view* of it (made with set_, not narrow/view):
-// libtorch's Optimizer::zero_grad() calls detach_() on every grad, which autograd forbids on views.
-at::Tensor grad_slot(const at::Tensor& flat, int64_t offset, c10::IntArrayRef sizes) {
-  at::Tensor slot = at::empty({0}, flat.options());
-  slot.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
-  return slot;
-}
-
-}  // namespace
 
 BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options)
     : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
@@ -42,7 +30,8 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
   std::vector<size_t> order(params_.size());
   std::iota(order.rbegin(), order.rend(), size_t{0});
   lay_out(order);
-  register_hooks();
+  readiness_ = std::make_unique<GradientReadiness>(
+      params_, [this](size_t i) { on_gradient_ready(i); }, [this] { finish_sync(); });
 }
 
 BucketedDDP::~BucketedDDP() {
@@ -85,7 +74,7 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
     b.flat = buffers[b.dtype].narrow(0, b.offset, b.numel);
     int64_t at = 0;
     for (size_t i : b.params) {
-      at::Tensor view = grad_slot(b.flat, at, params_[i].sizes());
+      at::Tensor view = alias_slot(b.flat, at, params_[i].sizes());  // not a view: see flat_storage.h
       at += params_[i].numel();
       if (params_[i].grad().defined()) view.copy_(params_[i].grad());
       params_[i].mutable_grad() = view;
@@ -110,7 +99,6 @@ void BucketedDDP::reset_iteration() {
   ready_.assign(params_.size(), false);
   next_bucket_ = 0;
   in_sync_ = false;
-  callback_queued_ = false;
 }
 
 void BucketedDDP::attach_grads() {
@@ -131,17 +119,9 @@ void BucketedDDP::attach_grad(size_t i) {
   grad = slot;
 }
 
-void BucketedDDP::register_hooks() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    std::weak_ptr<int> alive = alive_;
-    accumulators_.push_back(compat::add_post_accumulate_hook(params_[i], [this, alive, i] {
-      if (!alive.expired()) on_gradient_ready(i);
-    }));
-  }
-}
-
 at::Tensor BucketedDDP::loss(const Batch& batch) {
-  if (in_sync_ || callback_queued_) {
+  const bool aborted = readiness_->forget_pending_end();  // its end-of-backward callback never ran
+  if (in_sync_ || aborted) {
     // The last backward ended early (an exception), or a forward ran without backward: wait for what was
     // launched and start afresh.
     for (auto& h : handles_) h.wait();
@@ -173,7 +153,7 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
   }
   std::vector<size_t> unused;
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!seen.count(accumulators_[i].get())) unused.push_back(i);
+    if (!seen.count(readiness_->accumulator(i))) unused.push_back(i);
   if (unused.empty()) return;
   std::weak_ptr<int> alive = alive_;
   loss.register_hook([this, alive, unused](const at::Tensor&) {
@@ -185,13 +165,9 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
 }
 
 void BucketedDDP::begin_backward() {
-  if (callback_queued_) return;
-  callback_queued_ = true;
+  if (readiness_->end_pending()) return;  // not the first gradient of this backward
   backward_order_.clear();
-  std::weak_ptr<int> alive = alive_;
-  compat::queue_end_of_backward([this, alive] {
-    if (!alive.expired()) finish_sync();
-  });
+  readiness_->expect_end_of_backward();   // finish_sync() runs once, when this backward ends
 }
 
 void BucketedDDP::on_gradient_ready(size_t index) {
@@ -235,7 +211,6 @@ Handle BucketedDDP::reduce(const Bucket& bucket) {
 
 void BucketedDDP::finish_sync() {
   compute_end_ns_ = now_ns();
-  callback_queued_ = false;
   std::vector<size_t> unused;
   for (size_t i = 0; i < params_.size(); ++i)
     if (!ready_[i]) unused.push_back(i);

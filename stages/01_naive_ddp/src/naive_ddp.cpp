@@ -1,9 +1,5 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
-#include "shardlab/common/compat.h"
-
-#include <torch/csrc/autograd/function.h>
-
 #include <stdexcept>
 
 namespace shardlab::naive_ddp {
@@ -13,7 +9,8 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
   for (const auto& p : module_->parameters(/*recurse=*/true))
     if (p.requires_grad()) params_.push_back(p);
   broadcast_state(*module_, comm_);
-  register_hooks();
+  readiness_ = std::make_unique<GradientReadiness>(
+      params_, [this](size_t i) { on_gradient_ready(i); }, [this] { finish_sync(); });
 }
 
 NaiveDDP::~NaiveDDP() {
@@ -27,18 +24,13 @@ NaiveDDP::~NaiveDDP() {
 }
 
 at::Tensor NaiveDDP::loss(const Batch& batch) {
-  if (callback_queued_) finish_sync();  // the last backward ended early: settle what it launched
+  if (readiness_->forget_pending_end()) finish_sync();  // the last backward ended early: settle what it launched
   return module_->loss(batch);
 }
 
 void broadcast_state(Model& module, Communicator& comm) {
   // TODO(stage01): broadcast every parameter and buffer from rank 0
   throw std::logic_error("not implemented: stage 01 — broadcast every parameter and buffer from rank 0");
-}
-
-void NaiveDDP::register_hooks() {
-  // TODO(stage01): install a post-accumulate hook on every trainable parameter
-  throw std::logic_error("not implemented: stage 01 — install a post-accumulate hook on every trainable parameter");
 }
 
 void NaiveDDP::on_gradient_ready(size_t index) {

@@ -11,7 +11,9 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,16 +32,101 @@ struct Batch {
   Batch to(const c10::Device& device) const;
 };
 
+/// What a model calls to run one unit: the unit's input to its output.
+using UnitForward = std::function<at::Tensor(const at::Tensor&)>;
+
+/// One *unit* of a model: a sub-module whose parameters are sharded and gathered together (a transformer block, an
+/// MLP layer), called through a replaceable slot.
+///
+/// The model never calls the unit's module directly: it calls `forward`, which starts as the module's own forward.
+/// A wrapper replaces `forward` with one that acts before and after the call (FSDP gathers the unit's parameters
+/// before it and frees them after it). libtorch's Module has no forward hooks and a non-virtual forward; the slot
+/// is the hook.
+struct Unit {
+  std::string name;                           ///< the sub-module's registered name ("block0")
+  std::shared_ptr<torch::nn::Module> module;  ///< owns the unit's parameters (registered in the model too)
+  UnitForward forward;                        ///< what the model calls; a wrapper may replace it
+};
+
+class Model;
+
+/// A model's handle on one of its units: calling it runs the unit's current slot (see Unit); `->` reaches the
+/// module. What `Model::register_unit` returns; a model keeps it where it kept the module.
+template <typename M>
+class UnitRef {
+ public:
+  UnitRef() = default;
+  /// Runs the unit through its slot.
+  at::Tensor operator()(const at::Tensor& x) const;
+  /// The unit's module.
+  M* operator->() const { return module_.get(); }
+  /// The unit's module, shared.
+  const std::shared_ptr<M>& module() const { return module_; }
+
+ private:
+  friend class Model;
+  UnitRef(Model* model, size_t index, std::shared_ptr<M> module)
+      : model_(model), index_(index), module_(std::move(module)) {}
+  Model* model_ = nullptr;
+  size_t index_ = 0;
+  std::shared_ptr<M> module_;
+};
+
 /// A trainable model: a torch::nn::Module whose loss is the mean over the batch's examples (so averaging the
 /// gradients of equal slices gives the gradient of the whole batch).
+///
+/// Units: a model may split itself into units (see Unit) by registering sub-modules with `register_unit` instead
+/// of `register_module`, and calling them through the returned UnitRef. Parameters outside every unit form the
+/// *root*. A parameter must belong to one unit at most (a tied weight is registered once, in one place: the tiny
+/// GPT keeps its tied embedding in the root).
 class Model : public torch::nn::Module {
  public:
   /// Mean loss over `batch` (scalar, requires grad).
   virtual at::Tensor loss(const Batch& batch) = 0;
+
+  /// The units, in the order they were registered (the forward order for the shipped models). Empty: the whole
+  /// model is its root. A wrapper may replace each unit's `forward`; it must not add or remove units.
+  std::vector<Unit>& units() { return units_; }
+  /// Read-only view of the units.
+  const std::vector<Unit>& units() const { return units_; }
+
+ protected:
+  /// Registers `module` as sub-module `name` (as `register_module` does) and as the next unit, whose slot starts
+  /// as `module->forward(x)`. One line per unit turns a user's model into one FSDP can shard:
+  /// @code
+  ///   blocks_.push_back(register_unit("block" + std::to_string(i), std::make_shared<Block>(...)));
+  ///   ...  x = blocks_[i](x);      // instead of blocks_[i]->forward(x)
+  /// @endcode
+  /// @pre M has `at::Tensor forward(const at::Tensor&)`.
+  template <typename M>
+  UnitRef<M> register_unit(const std::string& name, std::shared_ptr<M> module) {
+    register_module(name, module);
+    M* raw = module.get();
+    units_.push_back(Unit{name, module, [raw](const at::Tensor& x) { return raw->forward(x); }});
+    return UnitRef<M>(this, units_.size() - 1, std::move(module));
+  }
+
+ private:
+  template <typename M>
+  friend class UnitRef;
+  std::vector<Unit> units_;
 };
+
+template <typename M>
+at::Tensor UnitRef<M>::operator()(const at::Tensor& x) const {
+  if (model_ == nullptr) throw std::logic_error("UnitRef: called before register_unit gave it a unit");
+  return model_->units_[index_].forward(x);
+}
 
 /// Names accepted by make_model: "mlp", "tiny_gpt", "edge".
 const std::vector<std::string>& model_names();
+
+/// Transformer blocks of "tiny_gpt" when nothing else is asked for (each block is one unit).
+constexpr int64_t kDefaultGptLayers = 4;
+
+/// Builds "tiny_gpt" with `layers` blocks (>= 1) from `seed`, on `device` (initialized on CPU, then moved).
+/// @throws std::invalid_argument when layers < 1.
+std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device);
 
 /// Builds model `name` with parameters drawn from `seed`.
 /// @throws std::invalid_argument naming the accepted models if `name` is unknown.

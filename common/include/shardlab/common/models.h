@@ -11,7 +11,7 @@
 
 namespace shardlab {
 
-/// A multi-layer perceptron classifier: Linear → ReLU → … → Linear, cross-entropy loss.
+/// A multi-layer perceptron classifier: Linear → ReLU → … → Linear, cross-entropy loss. Each Linear is a unit.
 class Mlp : public Model {
  public:
   /// @param sizes layer widths, input first, number of classes last (at least two entries).
@@ -23,7 +23,7 @@ class Mlp : public Model {
   at::Tensor loss(const Batch& batch) override;
 
  private:
-  std::vector<torch::nn::Linear> layers_;
+  std::vector<UnitRef<torch::nn::LinearImpl>> layers_;
 };
 
 /// Shape of a TinyGpt.
@@ -32,7 +32,7 @@ struct GptConfig {
   int64_t block = 32;      ///< context length T
   int64_t dim = 32;        ///< embedding width
   int64_t heads = 2;       ///< attention heads (dim % heads == 0)
-  int64_t layers = 2;      ///< transformer blocks
+  int64_t layers = kDefaultGptLayers;  ///< transformer blocks (each one unit)
 };
 
 /// One pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
@@ -50,7 +50,8 @@ class GptBlock : public torch::nn::Module {
 };
 
 /// A character-level GPT: token + position embeddings, causal attention blocks, a final LayerNorm, and an output
-/// layer tied to the token embedding (one parameter used twice).
+/// layer tied to the token embedding (one parameter used twice). Each block is a unit; the embeddings, the final
+/// LayerNorm and so the tied output layer are the root.
 class TinyGpt : public Model {
  public:
   /// Builds the model and draws its parameters from `seed`.
@@ -65,7 +66,7 @@ class TinyGpt : public Model {
  private:
   GptConfig config_;
   torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
-  std::vector<std::shared_ptr<GptBlock>> blocks_;
+  std::vector<UnitRef<GptBlock>> blocks_;
   torch::nn::LayerNorm ln_f_{nullptr};
 };
 
@@ -74,6 +75,7 @@ class TinyGpt : public Model {
 ///  - `sometimes`: a parameter used only on even steps (no gradient on odd steps);
 ///  - `trunk`    : Linear(8, 7), whose dim 0 (7) does not divide by 2, 3 or 4;
 ///  - `scale`    : a buffer (drawn from the seed, so ranks built with different seeds differ until broadcast).
+/// Units: `trunk` and `head` (dim 0 of 3 leaves a rank without rows at 4 ranks); the other three are the root.
 class EdgeModel : public Model {
  public:
   /// Builds the model and draws its parameters and buffer from `seed`.
@@ -84,7 +86,7 @@ class EdgeModel : public Model {
   at::Tensor loss(const Batch& batch) override;
 
  private:
-  torch::nn::Linear trunk_{nullptr}, head_{nullptr};
+  UnitRef<torch::nn::LinearImpl> trunk_, head_;
   at::Tensor frozen_, sometimes_, scale_;
 };
 

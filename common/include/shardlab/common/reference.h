@@ -23,7 +23,12 @@ struct TrainConfig {
   uint64_t seed = 1;               ///< model and data seed
   int micro_batches = 1;           ///< gradient-accumulation micro-batches per step (per rank)
   std::string device = "cpu";      ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
+  int64_t layers = kDefaultGptLayers;  ///< transformer blocks of "tiny_gpt" (the other models ignore it)
 };
+
+/// Model `config.model` from `config.seed` (tiny_gpt with `config.layers` blocks), initialized on CPU and moved
+/// to `device`. @throws std::invalid_argument as make_model does.
+std::shared_ptr<Model> make_model(const TrainConfig& config, const c10::Device& device);
 
 /// The device `config.device` names, for one process ("cuda" means cuda:0), checked as device_for_rank does.
 /// @throws std::invalid_argument naming what was expected and what came.

@@ -18,14 +18,11 @@
 /// must all-reduce the gradient, not the parameter); PyTorch DDP `no_sync`.
 
 #include "shardlab/common/communicator.h"
+#include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
 
 #include <memory>
 #include <vector>
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
 
 namespace shardlab::naive_ddp {
 
@@ -62,8 +59,8 @@ class NoSync {
 ///  - The model and the Communicator must outlive the NaiveDDP. Not copyable or movable (hooks point to it).
 class NaiveDDP {
  public:
-  /// Broadcasts `module`'s parameters and buffers from rank 0 and installs one gradient hook per trainable
-  /// parameter.
+  /// Broadcasts `module`'s parameters and buffers from rank 0 and watches every trainable parameter's gradient
+  /// (a GradientReadiness calls `on_gradient_ready(i)` and, once per backward, `finish_sync()`).
   /// @param module the model to replicate; NaiveDDP shares ownership.
   /// @param comm the data-parallel group; its recorder sees every collective.
   NaiveDDP(std::shared_ptr<Model> module, Communicator& comm);
@@ -90,18 +87,15 @@ class NaiveDDP {
   bool sync_enabled() const { return sync_enabled_; }
 
  private:
-  void register_hooks();
   void on_gradient_ready(size_t index);
   void finish_sync();
 
   std::shared_ptr<Model> module_;
   Communicator& comm_;
-  std::vector<at::Tensor> params_;                                // trainable parameters, registration order
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks alive
-  std::vector<Handle> pending_;                                   // all-reduces launched in this backward
-  std::shared_ptr<int> alive_ = std::make_shared<int>(0);         // hooks do nothing once this is gone
+  std::vector<at::Tensor> params_;                   // trainable parameters, registration order
+  std::vector<Handle> pending_;                      // all-reduces launched in this backward
+  std::unique_ptr<GradientReadiness> readiness_;     // the hooks; declared last, so they go first
   bool sync_enabled_ = true;
-  bool callback_queued_ = false;
 };
 
 }  // namespace shardlab::naive_ddp

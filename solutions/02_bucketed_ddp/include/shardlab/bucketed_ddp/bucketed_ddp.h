@@ -22,6 +22,7 @@
 
 #include "shardlab/bucketed_ddp/bucket_plan.h"
 #include "shardlab/common/communicator.h"
+#include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
@@ -30,10 +31,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
 
 namespace shardlab::bucketed_ddp {
 
@@ -121,7 +118,6 @@ class BucketedDDP {
   void attach_grads();
   void attach_grad(size_t index);
   void begin_backward();
-  void register_hooks();
   void reset_iteration();
   void mark_unused_from_graph(const at::Tensor& loss);
   void on_gradient_ready(size_t index);
@@ -136,7 +132,6 @@ class BucketedDDP {
   Options options_;
   std::vector<at::Tensor> params_;  // trainable, registration order
   std::vector<std::string> names_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks alive
   std::map<c10::ScalarType, at::Tensor> buffers_;                     // one flat gradient buffer per dtype
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> slots_;      // parameter -> its gradient slot in the flat buffer
@@ -151,10 +146,10 @@ class BucketedDDP {
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
   bool in_sync_ = false;               // a synchronized backward launched work that finish_sync has not settled
-  bool callback_queued_ = false;
   bool sync_enabled_ = true;
   int64_t compute_end_ns_ = 0;
-  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // hooks do nothing once this is gone
+  std::unique_ptr<GradientReadiness> readiness_;  // the hooks; declared last, so they go first
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // the unused-parameter hook on a loss does nothing once gone
 };
 
 }  // namespace shardlab::bucketed_ddp
