@@ -10,14 +10,14 @@
 
 namespace shardlab::test_support {
 
-/// Trains `model` through `ddp` (any wrapper with `loss(Batch)` and `no_sync()`) for `c.steps` steps, with the
-/// batches on the model's device, and returns every parameter of the model (registration order), detached copies
-/// on CPU.
-template <typename Wrapper>
-std::vector<at::Tensor> train_replica(Communicator& comm, const TrainConfig& c, Model& model, Wrapper& ddp) {
+/// Trains through `ddp` (any wrapper with `loss(Batch)` and `no_sync()`) for `c.steps` steps, the optimizer
+/// stepping `params` (a replica's parameters, or FSDP's shards), with the batches on `device`. `after_step(step)`,
+/// when given, runs after each optimizer step.
+template <typename Wrapper, typename AfterStep = void (*)(int)>
+void train_steps(Communicator& comm, const TrainConfig& c, std::vector<at::Tensor> params, const c10::Device& device,
+                 Wrapper& ddp, AfterStep after_step = [](int) {}) {
   auto data = make_dataset(c.model, c.seed);
-  auto opt = make_optimizer(c.optimizer, trainable_parameters(model), c.lr);
-  const c10::Device device = model.parameters().front().device();
+  auto opt = make_optimizer(c.optimizer, std::move(params), c.lr);
   for (int step = 0; step < c.steps; ++step) {
     compat::zero_grad(*opt);
     auto micro = micro_batches(
@@ -31,7 +31,15 @@ std::vector<at::Tensor> train_replica(Communicator& comm, const TrainConfig& c, 
       }
     }
     opt->step();
+    after_step(step);
   }
+}
+
+/// Trains `model` through `ddp` (see train_steps) for `c.steps` steps, with the batches on the model's device, and
+/// returns every parameter of the model (registration order), detached copies on CPU.
+template <typename Wrapper>
+std::vector<at::Tensor> train_replica(Communicator& comm, const TrainConfig& c, Model& model, Wrapper& ddp) {
+  train_steps(comm, c, trainable_parameters(model), model.parameters().front().device(), ddp);
   std::vector<at::Tensor> out;
   for (const auto& p : model.parameters()) out.push_back(p.detach().cpu().clone());
   return out;

@@ -1,0 +1,156 @@
+#pragma once
+/// @file fsdp_unit.h
+/// Stage 04, part 2 — one FSDP unit: the parameters that are sharded, gathered and reduced together (FSDP2's
+/// FSDPParamGroup), and the state machine that says where they are.
+///
+/// Vocabulary (S = ranks of the group, r = this rank):
+///  - *sharded parameter*: this rank's real rows of a parameter, in its original dtype; the leaf tensor the
+///    optimizer steps. A slot of the unit's *sharded buffer*, which holds this rank's padded shard of every
+///    parameter back to back (Σ padded shard numel elements; padding zero).
+///  - *gathered parameter*: the module's own registered tensor, full shape, in the param dtype: what the forward
+///    and backward compute with. A slot of the unit's *gathered buffer* (Σ numel elements), whose storage has
+///    0 bytes whenever the unit is sharded (see Note [Freeing storage that autograd saved] in common).
+///  - *all-gather buffer*: S blocks of Σ padded shard numel, block r = rank r's sharded buffer; alive only while
+///    the unit is unsharding. *Copy-out* moves each rank's real rows from it into the gathered buffer.
+///  - *reduce-scatter input*: S rows of Σ padded numel of the trainable parameters, row r = rank r's padded
+///    chunk of every unsharded gradient (rank-major). After the reduce-scatter, this rank holds row r averaged
+///    over the ranks: exactly its sharded gradients, padding included (the padding is dropped).
+///
+/// States: sharded --begin_unshard--> unsharding --finish_unshard--> unsharded --reshard--> sharded.
+///  - sharded:    gathered buffer at 0 bytes; no all-gather in flight.
+///  - unsharding: the all-gather is in flight; the gathered buffer has its bytes but not yet its values.
+///  - unsharded:  every gathered parameter holds the full values (bit for bit the shards, cast to param dtype).
+/// begin_unshard / finish_unshard are split so that stage 05 can issue the next unit's all-gather early.
+
+#include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/communicator.h"
+#include "shardlab/fsdp/memory.h"
+#include "shardlab/fsdp/mixed_precision.h"
+#include "shardlab/fsdp/shard_layout.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardlab::fsdp {
+
+/// Where a unit's parameters are (see the states in the file comment).
+enum class UnitState { kSharded, kUnsharding, kUnsharded };
+
+/// "sharded", "unsharding", "unsharded".
+const char* to_string(UnitState state);
+
+/// One parameter managed by a unit.
+struct FsdpParam {
+  std::string name;             ///< the model's name for it ("block0.fc.weight")
+  at::Tensor param;             ///< the module's registered tensor: full shape, param dtype, gathered-buffer slot
+  at::Tensor sharded;           ///< this rank's real rows, original dtype: what the optimizer steps
+  ShardSpec spec;               ///< how it is split over the group
+  int64_t shard_offset = 0;     ///< first element of its padded shard in the sharded buffer (and in each block)
+  int64_t gathered_offset = 0;  ///< first element of the full parameter in the gathered buffer
+  int64_t grad_offset = -1;     ///< first element of its padded chunk in a reduce-scatter row; -1 when frozen
+  bool trainable = false;       ///< requires grad (frozen parameters are gathered but never reduced)
+};
+
+/// The parameters of one unit: sharded at construction, gathered on demand, their gradients reduce-scattered.
+///
+/// Contract:
+///  - Every rank constructs the unit with the same parameters (same names, shapes and dtypes, same order) and
+///    calls the collectives (unshard, reduce_gradients, gather_full_parameters) in the same order.
+///  - Construction keeps this rank's shard of each parameter's current values and turns the registered tensor
+///    into a slot of the gathered buffer; the unit starts sharded.
+///  - The communicator, the meter and the parameters' module outlive the unit. Not copyable or movable.
+class FsdpUnit {
+ public:
+  /// Shards `params` (name, registered tensor) over `comm`.
+  /// @param policy mixed precision; resolved per unit with resolve_dtypes.
+  /// @param hook stage 03's reduce-scatter-form hook the gradients go through (fp32 average, fp16, bf16).
+  /// @param meter counts every buffer the unit allocates and frees.
+  /// @throws std::invalid_argument naming the parameter for a scalar, a non-contiguous or a non-dense parameter,
+  ///         for parameters of different dtypes or devices in one unit, and for an empty unit.
+  FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
+           const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter);
+  ~FsdpUnit();
+  FsdpUnit(const FsdpUnit&) = delete;
+  FsdpUnit& operator=(const FsdpUnit&) = delete;
+
+  /// The unit's name ("block0"; "root" for the parameters outside every unit).
+  const std::string& name() const { return name_; }
+  /// Where the parameters are now.
+  UnitState state() const { return state_; }
+  /// The managed parameters, in the order given.
+  const std::vector<FsdpParam>& params() const { return params_; }
+  /// The dtypes after clamping.
+  const UnitDtypes& dtypes() const { return dtypes_; }
+  /// True when some parameter is frozen.
+  bool has_frozen() const;
+  /// Number of trainable parameters.
+  size_t trainable_count() const;
+
+  /// sharded -> unsharding: gives the gathered buffer its bytes and issues one all-gather of the padded shards
+  /// (cast to the param dtype). No-op in any other state. A collective.
+  void begin_unshard();
+  /// unsharding -> unsharded: waits for the all-gather and copies every rank's real rows out into the gathered
+  /// parameters; the all-gather buffer is freed. From sharded it begins first. No-op when unsharded.
+  /// @throws std::runtime_error (from the Communicator) when the all-gather fails or times out.
+  void finish_unshard();
+  /// begin_unshard() then finish_unshard().
+  void unshard() {
+    begin_unshard();
+    finish_unshard();
+  }
+  /// unsharded -> sharded: the gathered buffer goes back to 0 bytes. An all-gather in flight is finished first
+  /// (it writes into that buffer). No-op when sharded.
+  void reshard();
+
+  /// Bytes the gathered buffer holds now (0 while sharded).
+  int64_t gathered_bytes() const;
+  /// Bytes the gathered buffer holds while unsharded.
+  int64_t gathered_capacity_bytes() const;
+  /// Bytes of the sharded buffer (this rank's padded shards).
+  int64_t sharded_bytes() const;
+
+  /// Counts params()[k]'s unsharded gradient in the meter (once, until it is reduced or stashed). Called by the
+  /// wrapper when the gradient has been accumulated.
+  void note_gradient(size_t k);
+  /// Inside no_sync: when the reduce dtype differs from the param dtype, moves the unsharded gradients into
+  /// accumulators of the reduce dtype (FSDP2's unsharded_accumulated_grad), so micro-batches add up in it;
+  /// otherwise they stay in `.grad()`, where autograd keeps adding.
+  void stash_gradients();
+  /// Lays every trainable parameter's unsharded gradient (plus what stash_gradients kept) out rank-major in the
+  /// reduce dtype, frees them, and reduce-scatters through the hook. When the returned handle's `wait()` returns,
+  /// each sharded parameter's `.grad()` holds (or has been increased by) the average over ranks of its rows, in
+  /// the original dtype. A trainable parameter with no gradient at all counts as zero and is appended to
+  /// `missing` (when non-null). A collective.
+  Handle reduce_gradients(std::vector<std::string>* missing);
+
+  /// Every parameter's full values in the original dtype (fresh tensors, whatever the state), from one
+  /// all-gather of the shards. A collective.
+  std::vector<at::Tensor> gather_full_parameters();
+
+ private:
+  void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
+  void release_gradient(size_t k);
+
+  std::string name_;
+  Communicator& comm_;
+  UnitDtypes dtypes_;
+  comm_hooks::CommHook hook_;
+  MemoryMeter& meter_;
+  std::vector<FsdpParam> params_;
+  int64_t shard_numel_ = 0;       // Σ padded shard numel: the sharded buffer, one block of the all-gather
+  int64_t gathered_numel_ = 0;    // Σ numel: the gathered buffer
+  int64_t grad_row_numel_ = 0;    // Σ padded shard numel of the trainable parameters: one reduce-scatter row
+  at::Tensor sharded_flat_;       // [shard_numel_], original dtype
+  at::Tensor gathered_;           // [gathered_numel_], param dtype; 0 bytes while sharded
+  at::Tensor all_gather_out_;     // [S * shard_numel_], param dtype; only while unsharding
+  at::Tensor all_gather_in_;      // the cast shards (mixed precision only); only while unsharding
+  Handle all_gather_;             // pending while unsharding
+  std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
+  std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
+  UnitState state_ = UnitState::kSharded;
+};
+
+}  // namespace shardlab::fsdp

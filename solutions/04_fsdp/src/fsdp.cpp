@@ -1,0 +1,331 @@
+#include "shardlab/fsdp/fsdp.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/TensorImpl.h>
+
+#include <algorithm>
+#include <exception>
+#include <map>
+#include <stdexcept>
+
+// Note [Reduce-scatters in one order on every rank]
+// A unit's gradients are complete when its last trainable parameter's accumulator has run; on every rank that
+// happens in the same place of the same backward graph. But a unit whose gradients never complete (a parameter
+// unused in this backward) is only settled by the end-of-backward sweep, and a rank must never issue unit A's
+// reduce-scatter while another issues unit B's: Gloo pairs collectives by their order, and two different
+// reductions paired together are wrong values or a hang. So reduce-scatters are launched in one fixed order, the
+// reverse of this forward's unit order (then any unit that did not run forward): a complete unit waits until
+// every unit before it in that order has been launched (the same rule as stage 02's buckets).
+//
+// Note [One reduce-scatter in flight]
+// A reduce-scatter holds its input (S rows of the unit's padded gradients) and output until it completes. Left to
+// the end of backward, every unit's buffers would be alive at once: the whole model's unsharded gradients again,
+// which is what sharding set out to avoid. Before a unit's reduce-scatter is launched the previous one is waited
+// for (as FSDP2 waits for the previous reduce-scatter's event): it ran while this unit's backward computed, so the
+// wait is short, and at most two units' reduction buffers exist at any time.
+//
+// Note [When a unit may be freed in backward]
+// Once every trainable parameter of a unit has its gradient, every backward node that reads the unit's
+// parameters has run (each such node produces a contribution to one of those gradients), so the gathered
+// parameters can go at once. A frozen parameter has no accumulator to tell us, so a unit with one is freed only at
+// the end of backward.
+
+namespace shardlab::fsdp {
+namespace {
+
+bool is_reduce_scatter_hook(const std::string& name) {
+  return name == "reduce_scatter" || name == "fp16" || name == "bf16";
+}
+
+}  // namespace
+
+FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options)
+    : model_(std::move(model)), comm_(comm), options_(std::move(options)) {
+  if (!model_) throw std::invalid_argument("FullyShardedModel: expected a model; got a null pointer");
+  if (!is_reduce_scatter_hook(options_.hook))
+    throw std::invalid_argument("FullyShardedModel: hook '" + options_.hook +
+                                "' cannot reduce-scatter; expected reduce_scatter, fp16 or bf16");
+  const comm_hooks::CommHook hook = comm_hooks::make_hook(options_.hook, comm_);
+  naive_ddp::broadcast_state(*model_, comm_);
+
+  // Which unit owns each parameter: the model's units in order, then the root (index = number of units).
+  std::vector<Unit>& slots = model_->units();
+  const size_t root = slots.size();
+  std::map<const c10::TensorImpl*, size_t> unit_of;
+  for (size_t u = 0; u < slots.size(); ++u) {
+    for (const auto& item : slots[u].module->named_parameters(/*recurse=*/true)) {
+      auto [it, fresh] = unit_of.emplace(item.value().unsafeGetTensorImpl(), u);
+      if (!fresh && it->second != u)
+        throw std::invalid_argument("FullyShardedModel: parameter '" + item.key() + "' belongs to units '" +
+                                    slots[it->second].name + "' and '" + slots[u].name +
+                                    "'; a parameter may be sharded in one unit only (register the shared module in "
+                                    "one unit, or keep it in the root)");
+    }
+  }
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups(root + 1);
+  std::map<const c10::TensorImpl*, std::pair<size_t, size_t>> placed;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
+    auto found = placed.find(impl);
+    if (found == placed.end()) {  // a tensor registered twice is managed once, under its first name
+      auto it = unit_of.find(impl);
+      const size_t u = it == unit_of.end() ? root : it->second;
+      found = placed.emplace(impl, std::make_pair(u, groups[u].size())).first;
+      groups[u].emplace_back(item.key(), item.value());
+    }
+    order_names_.push_back(item.key());
+    order_.push_back(found->second);
+  }
+  for (size_t u = 0; u < root; ++u) {
+    if (groups[u].empty())
+      throw std::invalid_argument("FullyShardedModel: unit '" + slots[u].name +
+                                  "' has no parameters; register it with register_module instead");
+    units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_));
+  }
+  has_root_ = !groups[root].empty();
+  if (has_root_)
+    units_.push_back(std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision, hook, meter_));
+
+  for (size_t u = 0; u < root; ++u) {
+    inner_forward_.push_back(slots[u].forward);
+    slots[u].forward = [this, u](const at::Tensor& x) {
+      pre_forward(u);
+      // Mixed precision: a floating input computes in the unit's param dtype (FSDP2's cast_forward_inputs).
+      const c10::ScalarType compute = units_[u]->dtypes().param;
+      const bool cast = x.defined() && c10::isFloatingType(x.scalar_type()) && x.scalar_type() != compute;
+      at::Tensor y = inner_forward_[u](cast ? x.to(compute) : x);
+      post_forward(u, y);
+      return y;
+    };
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& ps = units_[u]->params();
+    for (size_t k = 0; k < ps.size(); ++k) {
+      if (!ps[k].trainable) continue;
+      watched_.push_back(ps[k].param);
+      owner_.emplace_back(u, k);
+    }
+  }
+  readiness_ = std::make_unique<GradientReadiness>(
+      watched_, [this](size_t g) { on_gradient_ready(g); }, [this] { end_of_backward(); });
+  reset_iteration();
+}
+
+FullyShardedModel::~FullyShardedModel() {
+  for (auto& h : pending_) {
+    try {
+      h.wait();  // they write into the units' buffers
+    } catch (...) {  // a destructor must not throw; backward reported (or will report) the error
+    }
+  }
+  std::vector<Unit>& slots = model_->units();
+  for (size_t u = 0; u < inner_forward_.size(); ++u) slots[u].forward = inner_forward_[u];
+}
+
+bool FullyShardedModel::raf(size_t u) const {
+  const bool is_root = has_root_ && u + 1 == units_.size();
+  return is_root ? options_.root_reshard_after_forward : options_.reshard_after_forward;
+}
+
+std::vector<at::Tensor> FullyShardedModel::parameters() const {
+  std::vector<at::Tensor> out;
+  std::vector<std::vector<bool>> taken(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) taken[u].assign(units_[u]->params().size(), false);
+  for (const auto& [u, k] : order_) {
+    const FsdpParam& fp = units_[u]->params()[k];
+    if (fp.trainable && !taken[u][k]) out.push_back(fp.sharded);
+    taken[u][k] = true;
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FullyShardedModel::full_parameters() {
+  std::vector<std::vector<at::Tensor>> full;
+  for (auto& unit : units_) full.push_back(unit->gather_full_parameters());
+  std::vector<at::Tensor> out;
+  for (const auto& [u, k] : order_) out.push_back(full[u][k]);
+  return out;
+}
+
+at::Tensor FullyShardedModel::loss(const Batch& batch) {
+  settle_aborted_backward();
+  forward_order_.clear();
+  const bool training = at::GradMode::is_enabled();
+  const size_t root = units_.size() - 1;
+  if (has_root_) pre_forward(root);
+  at::Tensor out = model_->loss(batch);
+  if (has_root_) post_forward(root, out);
+  if (training && out.requires_grad()) {
+    std::weak_ptr<int> alive = alive_;
+    out.register_hook([this, alive](const at::Tensor&) {
+      if (!alive.expired()) readiness_->expect_end_of_backward();
+    });
+  } else {
+    for (auto& unit : units_) unit->reshard();  // no backward will come for this forward
+  }
+  return out;
+}
+
+void FullyShardedModel::pre_forward(size_t u) {
+  if (std::find(forward_order_.begin(), forward_order_.end(), u) != forward_order_.end())
+    throw std::logic_error("FullyShardedModel: unit '" + units_[u]->name() +
+                           "' ran twice in one forward; each unit may run once per loss()");
+  forward_order_.push_back(u);
+  // BEGIN SOLUTION(04): the unit's parameters must hold their full values while its forward runs
+  units_[u]->unshard();
+  // END SOLUTION
+}
+
+void FullyShardedModel::post_forward(size_t u, const at::Tensor& output) {
+  // BEGIN SOLUTION(04): free after forward (raf) and make sure the unit is gathered again before its backward
+  if (raf(u)) units_[u]->reshard();
+  if (at::GradMode::is_enabled() && output.defined() && output.requires_grad()) {
+    std::weak_ptr<int> alive = alive_;
+    output.register_hook([this, alive, u](const at::Tensor&) {
+      if (!alive.expired()) pre_backward(u);
+    });
+  }
+  // END SOLUTION
+}
+
+void FullyShardedModel::pre_backward(size_t u) {
+  readiness_->expect_end_of_backward();
+  // BEGIN SOLUTION(04): the unit's backward is next: its parameters must be gathered
+  units_[u]->unshard();
+  // END SOLUTION
+}
+
+void FullyShardedModel::on_gradient_ready(size_t g) {
+  const auto [u, k] = owner_[g];
+  const FsdpParam& fp = units_[u]->params()[k];
+  if (fp.param.grad().requires_grad())
+    throw std::invalid_argument("FullyShardedModel: parameter '" + fp.name + "' got a gradient that requires grad "
+                                "(backward with create_graph = true); double backward is not supported");
+  readiness_->expect_end_of_backward();
+  units_[u]->note_gradient(k);
+  if (ready_[g]) return;  // the same accumulator twice in one backward (a retained graph): counted once
+  ready_[g] = true;
+  if (--missing_[u] == 0) on_unit_ready(u);
+}
+
+void FullyShardedModel::on_unit_ready(size_t u) {
+  // BEGIN SOLUTION(04): the unit's backward is done: free it, then keep (no_sync) or reduce its gradients in order
+  if (!units_[u]->has_frozen()) units_[u]->reshard();  // see Note [When a unit may be freed in backward]
+  if (!sync_enabled_) {
+    units_[u]->stash_gradients();
+    return;
+  }
+  launch_ready_reductions();
+  // END SOLUTION
+}
+
+void FullyShardedModel::launch_ready_reductions() {
+  if (reduce_order_.empty()) {  // see Note [Reduce-scatters in one order on every rank]
+    for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
+      if (units_[*it]->trainable_count() > 0) reduce_order_.push_back(*it);
+    for (size_t u = 0; u < units_.size(); ++u)
+      if (units_[u]->trainable_count() > 0 &&
+          std::find(reduce_order_.begin(), reduce_order_.end(), u) == reduce_order_.end())
+        reduce_order_.push_back(u);
+  }
+  // BEGIN SOLUTION(04): launch every complete unit whose predecessors in reduce_order_ have all been launched
+  while (next_reduce_ < reduce_order_.size() && missing_[reduce_order_[next_reduce_]] == 0) {
+    const size_t u = reduce_order_[next_reduce_++];
+    // One reduce-scatter in flight: the previous one has had this unit's backward to finish; waiting for it here
+    // frees its buffers before the next are allocated (see Note [One reduce-scatter in flight]).
+    if (!pending_.empty()) pending_.back().wait();
+    pending_.push_back(units_[u]->reduce_gradients(&unused_));
+    reduced_[u] = true;
+  }
+  // END SOLUTION
+}
+
+void FullyShardedModel::end_of_backward() {
+  const int64_t start = now_ns();
+  std::exception_ptr error;
+  // BEGIN SOLUTION(04): settle units whose gradients never all came, wait for every reduce-scatter, shard every unit
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (missing_[u] == 0) continue;
+    missing_[u] = 0;
+    if (!sync_enabled_) units_[u]->stash_gradients();
+  }
+  // Every rank launches the rest in the same order, unused parameters as zeros, even when that is an error below:
+  // the other ranks wait for these reduce-scatters.
+  if (sync_enabled_) launch_ready_reductions();
+  for (auto& h : pending_) {
+    try {
+      h.wait();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  for (auto& unit : units_) unit->reshard();
+  // END SOLUTION
+  comm_.recorder().record_wait("fsdp sync", start, now_ns());
+  std::vector<std::string> unused = std::move(unused_);
+  reset_iteration();
+  if (error) std::rethrow_exception(error);
+  if (!unused.empty() && !options_.allow_unused_parameters) {
+    std::string list;
+    for (const auto& n : unused) list += (list.empty() ? "'" : ", '") + n + "'";
+    throw std::runtime_error("FullyShardedModel: trainable parameter(s) " + list +
+                             " received no gradient in this step; they were reduced as zeros so that no rank "
+                             "hangs. Make the loss depend on them, freeze them (requires_grad false), or set "
+                             "Options::allow_unused_parameters = true.");
+  }
+}
+
+void FullyShardedModel::settle_aborted_backward() {
+  if (!readiness_->forget_pending_end()) return;
+  for (auto& h : pending_) {
+    try {
+      h.wait();
+    } catch (...) {  // the aborted backward already reported its error
+    }
+  }
+  for (auto& unit : units_) unit->reshard();
+  reset_iteration();
+}
+
+void FullyShardedModel::reset_iteration() {
+  reduce_order_.clear();
+  next_reduce_ = 0;
+  pending_.clear();
+  unused_.clear();
+  missing_.assign(units_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) missing_[u] = units_[u]->trainable_count();
+  ready_.assign(watched_.size(), false);
+  reduced_.assign(units_.size(), false);
+}
+
+MemoryTheory FullyShardedModel::memory_theory() const {
+  MemoryTheory t;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const FsdpUnit& unit = *units_[u];
+    const bool is_root = has_root_ && u + 1 == units_.size();
+    t.sharded_param_bytes += unit.sharded_bytes();
+    int64_t unsharded_grads = 0, row = 0;
+    for (const auto& fp : unit.params()) {
+      if (!fp.trainable) continue;
+      t.sharded_grad_bytes += fp.sharded.numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().orig));
+      unsharded_grads += fp.spec.numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().param));
+      row += fp.spec.padded_numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().reduce));
+    }
+    t.largest_reduce_bytes = std::max(t.largest_reduce_bytes, (comm_.size() + 1) * row);
+    if (is_root) {
+      t.root_bytes = unit.gathered_capacity_bytes();
+      t.peak_grad_bytes += unsharded_grads;  // the root's gradients live through the whole backward
+    } else {
+      t.largest_unit_bytes = std::max(t.largest_unit_bytes, unit.gathered_capacity_bytes());
+      t.all_units_bytes += unit.gathered_capacity_bytes();
+      t.largest_unit_grad_bytes = std::max(t.largest_unit_grad_bytes, unsharded_grads);
+    }
+  }
+  // The root is gathered for the whole forward (its forward is the model's loss()).
+  t.peak_param_bytes = t.sharded_param_bytes + t.root_bytes +
+                       (options_.reshard_after_forward ? t.largest_unit_bytes : t.all_units_bytes);
+  t.peak_grad_bytes += t.sharded_grad_bytes + t.largest_unit_grad_bytes;
+  return t;
+}
+
+}  // namespace shardlab::fsdp

@@ -1,0 +1,33 @@
+#include "shardlab/fsdp/memory.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace shardlab::fsdp {
+
+void MemoryMeter::allocate(MemoryKind kind, int64_t bytes) {
+  if (kind == MemoryKind::kParams) {
+    stats_.param_bytes += bytes;
+    stats_.peak_param_bytes = std::max(stats_.peak_param_bytes, stats_.param_bytes);
+  } else {
+    stats_.grad_bytes += bytes;
+    stats_.peak_grad_bytes = std::max(stats_.peak_grad_bytes, stats_.grad_bytes);
+  }
+}
+
+void MemoryMeter::release(MemoryKind kind, int64_t bytes) {
+  int64_t& held = kind == MemoryKind::kParams ? stats_.param_bytes : stats_.grad_bytes;
+  if (bytes > held)
+    throw std::logic_error("MemoryMeter: releasing " + std::to_string(bytes) + " bytes of " +
+                           (kind == MemoryKind::kParams ? "parameters" : "gradients") + " while only " +
+                           std::to_string(held) + " are held (an accounting bug in the FSDP layer)");
+  held -= bytes;
+}
+
+void MemoryMeter::reset_peaks() {
+  stats_.peak_param_bytes = stats_.param_bytes;
+  stats_.peak_grad_bytes = stats_.grad_bytes;
+}
+
+}  // namespace shardlab::fsdp

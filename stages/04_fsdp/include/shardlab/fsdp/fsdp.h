@@ -1,0 +1,168 @@
+#pragma once
+/// @file fsdp.h
+/// Stage 04 — fully sharded data parallelism (FSDP, ZeRO-3): every rank keeps only its shard of each parameter,
+/// gathers a unit's parameters just before the unit runs and frees them right after, and reduce-scatters the
+/// gradients so that each rank receives only the average of its own shard's gradients.
+///
+/// Vocabulary:
+///  - *unit*: a sub-module the model registered with `Model::register_unit` (a transformer block, an MLP layer);
+///    its parameters are gathered and reduced together. The parameters outside every unit form the *root* unit
+///    (the tiny GPT's embeddings, final norm and tied output layer). See FsdpUnit for what one unit holds.
+///  - *reshard after forward* (raf): free a unit's gathered parameters as soon as its forward returns and gather
+///    them again before its backward (ZeRO-3: least memory, one more all-gather per unit), or keep them until the
+///    unit's backward is done (ZeRO-2-like: no backward all-gather).
+///
+/// Life of one training step (B units, root, raf true for units and false for the root, FSDP2's defaults):
+///  1. `loss()`: the root is gathered; the model calls each unit through its slot: gather, forward, free. The
+///     loss and every unit's output get a backward hook.
+///  2. backward: a unit's output hook gathers the unit again just before its backward; once every trainable
+///     parameter of the unit has its gradient, the unit is freed and its gradients are reduce-scattered (one
+///     collective per unit, launched in reverse forward order, so every rank issues them in the same order).
+///  3. end of backward: units whose gradients never came are reduced with zeros (or reported), every
+///     reduce-scatter is waited for, every unit is sharded, and each sharded parameter's `.grad()` holds its rows
+///     of the average gradient. The optimizer then steps the sharded parameters (`parameters()`).
+/// Per step: B+1 all-gathers in forward, B in backward, B+1 reduce-scatters, nothing else.
+///
+/// References: PyTorch FSDP2 (`fully_shard`, FSDPParamGroup, foreach_all_gather / foreach_reduce), the seed's
+/// FSDP homework (unshard / wait_for_unshard / reshard, pre/post forward and backward hooks), ZeRO (Rajbhandari et
+/// al., 2019), FSDP (Zhao et al., VLDB 2023).
+
+#include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/grad_ready.h"
+#include "shardlab/common/model.h"
+#include "shardlab/fsdp/fsdp_unit.h"
+#include "shardlab/fsdp/memory.h"
+#include "shardlab/fsdp/mixed_precision.h"
+#include "shardlab/naive_ddp/naive_ddp.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardlab::fsdp {
+
+/// How FullyShardedModel shards, gathers and reduces.
+struct Options {
+  bool reshard_after_forward = true;         ///< units: free after forward, gather again in backward
+  bool root_reshard_after_forward = false;   ///< the root: FSDP2 keeps it gathered until its backward
+  MixedPrecision mixed_precision;            ///< param / reduce dtypes (default: none, all original)
+  std::string hook = "reduce_scatter";       ///< stage 03 hook for gradients: reduce_scatter (average in the
+                                             ///< reduce dtype), fp16 or bf16 (compressed on the wire)
+  bool allow_unused_parameters = false;      ///< false: a trainable parameter without gradient is an error
+};
+
+/// The memory a step should need per rank, from the layout (what MemoryStats is compared with).
+struct MemoryTheory {
+  int64_t sharded_param_bytes = 0;  ///< Σψ/N: every unit's padded shards
+  int64_t largest_unit_bytes = 0;   ///< the largest non-root unit gathered (param dtype)
+  int64_t all_units_bytes = 0;      ///< every non-root unit gathered at once (raf false)
+  int64_t root_bytes = 0;           ///< the root gathered
+  int64_t sharded_grad_bytes = 0;   ///< the sharded gradients of the trainable parameters
+  int64_t largest_unit_grad_bytes = 0;  ///< the largest unit's unsharded gradients (param dtype)
+  int64_t peak_param_bytes = 0;     ///< the parameter peak of a step with the options used: Σψ/N + the largest
+                                    ///< unit (raf true) or every unit (raf false) + the root when it stays gathered
+  int64_t peak_grad_bytes = 0;      ///< the gradient peak: sharded grads + the root's unsharded grads (alive
+                                    ///< through the whole backward) + the largest unit's unsharded grads
+  int64_t largest_reduce_bytes = 0; ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
+};
+
+/// Wraps a Model so that N ranks train it sharded, exactly like one device on the union of their batches.
+///
+/// Contract:
+///  - Construct on every rank with a model of the same structure. Construction broadcasts every parameter and
+///    buffer from rank 0 (a collective), then keeps this rank's shard of each parameter. From then on the
+///    model's registered parameters are *gathered* tensors that hold values only while their unit runs: the
+///    optimizer must be built on `parameters()` (the sharded ones), and the full values are read with
+///    `full_parameters()`. Buffers are replicated, not sharded.
+///  - Call `loss(batch)` for the forward, then `.backward()` on it (or on a tensor computed from it), on every
+///    rank, the same way: every unit is a collective. Every rank must run the same units in the same order.
+///  - After a synchronized backward, each sharded parameter's `.grad()` holds its rows of the gradient of the
+///    mean loss over all ranks' batches (accumulated into a gradient already there: zero it before each step).
+///  - A forward under `NoGradGuard` (evaluation) gathers and frees like a training forward (collectives on every
+///    rank) and leaves every unit sharded.
+///  - Each unit may run once per forward; a parameter may belong to one unit only; double backward is not
+///    supported.
+///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
+///    the wrapper is gone the model's registered parameters have no storage: read `full_parameters()` before.
+class FullyShardedModel {
+ public:
+  /// Broadcasts the model's state from rank 0, shards every unit and the root, and puts itself into the units'
+  /// slots.
+  /// @throws std::invalid_argument for a null model, a parameter FSDP cannot shard (scalar, non-contiguous:
+  ///         named), a parameter shared by two units, or a unit with mixed dtypes.
+  FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options = {});
+  ~FullyShardedModel();
+  FullyShardedModel(const FullyShardedModel&) = delete;
+  FullyShardedModel& operator=(const FullyShardedModel&) = delete;
+
+  /// The forward: this rank's mean loss on `batch`. Settles a backward that ended early first.
+  at::Tensor loss(const Batch& batch);
+  /// The wrapped model (its registered parameters are the gathered tensors; see the contract).
+  Model& module() { return *model_; }
+
+  /// The trainable sharded parameters (this rank's rows, original dtype), in the model's registration order:
+  /// what the optimizer steps.
+  std::vector<at::Tensor> parameters() const;
+  /// Every parameter's full values in the original dtype, in the model's registration order (fresh tensors).
+  /// A collective: every rank must call it.
+  std::vector<at::Tensor> full_parameters();
+
+  /// Skips the reduce-scatters for backward passes run while the returned scope lives (gradient accumulation):
+  /// unsharded gradients accumulate (in the reduce dtype) and the first backward after the scope reduces them.
+  [[nodiscard]] naive_ddp::NoSync no_sync() { return naive_ddp::NoSync(sync_enabled_); }
+  /// True unless inside a `no_sync` scope.
+  bool sync_enabled() const { return sync_enabled_; }
+
+  /// The units: the model's units in registration order, then the root (when it has parameters).
+  const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
+  /// The root unit, or null when every parameter belongs to a unit.
+  const FsdpUnit* root() const { return has_root_ ? units_.back().get() : nullptr; }
+
+  /// Bytes held now and peaks since reset_memory_peaks() (see MemoryMeter).
+  const MemoryStats& memory() const { return meter_.stats(); }
+  /// Starts a new peak window (e.g. at the start of each step).
+  void reset_memory_peaks() { meter_.reset_peaks(); }
+  /// What the peaks should be for this layout and these options.
+  MemoryTheory memory_theory() const;
+
+ private:
+  bool raf(size_t u) const;
+  void pre_forward(size_t u);
+  void post_forward(size_t u, const at::Tensor& output);
+  void pre_backward(size_t u);
+  void on_gradient_ready(size_t g);
+  void on_unit_ready(size_t u);
+  void launch_ready_reductions();
+  void end_of_backward();
+  void settle_aborted_backward();
+  void reset_iteration();
+
+  std::shared_ptr<Model> model_;
+  Communicator& comm_;
+  Options options_;
+  MemoryMeter meter_;
+  std::vector<std::unique_ptr<FsdpUnit>> units_;  // model units in order, then the root
+  bool has_root_ = false;
+  std::vector<UnitForward> inner_forward_;         // each model unit's slot before we took it
+  std::vector<at::Tensor> watched_;                // every trainable gathered parameter (GradientReadiness indices)
+  std::vector<std::pair<size_t, size_t>> owner_;   // watched index -> (unit, index in the unit's params())
+  std::vector<std::string> order_names_;           // the model's parameter names, registration order
+  std::vector<std::pair<size_t, size_t>> order_;   // registration order -> (unit, index in the unit)
+
+  // One iteration (forward + backward); reset by reset_iteration().
+  std::vector<size_t> forward_order_;   // units in the order their forward ran
+  std::vector<size_t> reduce_order_;    // the order reduce-scatters are launched in (reverse forward, then the rest)
+  size_t next_reduce_ = 0;              // next position of reduce_order_ to launch
+  std::vector<size_t> missing_;         // per unit: trainable parameters whose gradient has not come
+  std::vector<bool> ready_;             // per watched parameter
+  std::vector<bool> reduced_;           // per unit: reduce-scatter launched in this backward
+  std::vector<Handle> pending_;         // reduce-scatters in flight
+  std::vector<std::string> unused_;     // trainable parameters that got no gradient in this backward
+  bool sync_enabled_ = true;
+
+  std::unique_ptr<GradientReadiness> readiness_;  // the hooks; declared last, so they go first
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // output hooks do nothing once this is gone
+};
+
+}  // namespace shardlab::fsdp

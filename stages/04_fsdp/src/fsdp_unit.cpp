@@ -1,0 +1,217 @@
+#include "shardlab/fsdp/fsdp_unit.h"
+
+#include "shardlab/common/flat_storage.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <stdexcept>
+
+// Note [Two buffers per unit]
+// A unit's parameters live in two flat buffers, never in tensors of their own:
+//  - the sharded buffer (original dtype): this rank's padded shard of each parameter, back to back. The all-gather
+//    sends it as it is (or cast to the param dtype), so no copy-in is needed; the sharded parameters the optimizer
+//    steps are slots of it (the real rows only: the padding never reaches an optimizer).
+//  - the gathered buffer (param dtype): each full parameter, back to back. The module's registered tensors are
+//    slots of it, set once at construction (`set_data`), so the module computes with them unchanged. Between uses
+//    the buffer has 0 bytes.
+// The all-gather output is rank-major (block r = rank r's shards), but a full parameter needs its rows from every
+// block: one all-gather per unit means one copy-out (FSDP2's split_with_sizes_copy). For the moment of the copy
+// both the all-gather buffer and the gathered buffer exist: the unit's measured peak is about twice its gathered
+// size, which the memory report shows beside the theory that counts the gathered parameters only.
+//
+// Note [Why the registered tensor never changes]
+// Autograd saves the registered tensor (a Linear saves its weight) in the forward and checks its version counter
+// in the backward. Writing the gathered values *through the gathered buffer* leaves the registered tensor's own
+// counter alone (it is a slot made with set_, not a view), so a unit freed after its forward and gathered again
+// before its backward passes that check. See Note [Freeing storage that autograd saved] in common.
+
+namespace shardlab::fsdp {
+namespace {
+
+std::string describe(const at::Tensor& t) {
+  return std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()) + " on " + t.device().str();
+}
+
+int64_t bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0; }
+
+}  // namespace
+
+const char* to_string(UnitState state) {
+  switch (state) {
+    case UnitState::kSharded:
+      return "sharded";
+    case UnitState::kUnsharding:
+      return "unsharding";
+    case UnitState::kUnsharded:
+      return "unsharded";
+  }
+  return "?";
+}
+
+FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
+                   Communicator& comm, const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
+    : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter) {
+  if (params.empty()) throw std::invalid_argument("FsdpUnit '" + name_ + "': expected parameters; got none");
+  const at::Tensor& first = params.front().second;
+  for (const auto& [pname, p] : params) {
+    auto fail = [&](const std::string& why) {
+      throw std::invalid_argument("FSDP unit '" + name_ + "': parameter '" + pname + "' (" + describe(p) + ") " + why);
+    };
+    if (p.dim() == 0) fail("is a scalar; FSDP shards on dim 0 and needs at least one dimension");
+    if (p.layout() != c10::kStrided) fail("is not a dense tensor");
+    if (!p.is_contiguous()) fail("is not contiguous; expected contiguous parameters");
+    if (p.scalar_type() != first.scalar_type() || p.device() != first.device())
+      fail("differs in dtype or device from '" + params.front().first + "' (" + describe(first) +
+           "); every parameter of a unit must share both");
+  }
+  dtypes_ = resolve_dtypes(policy, first.scalar_type());
+  const int world = comm_.size(), rank = comm_.rank();
+  for (const auto& [pname, p] : params) {
+    FsdpParam fp;
+    fp.name = pname;
+    fp.param = p;
+    fp.spec = shard_spec(p.sizes(), world);
+    fp.trainable = p.requires_grad();
+    fp.shard_offset = shard_numel_;
+    fp.gathered_offset = gathered_numel_;
+    shard_numel_ += fp.spec.padded_numel();
+    gathered_numel_ += fp.spec.numel();
+    if (fp.trainable) {
+      fp.grad_offset = grad_row_numel_;
+      grad_row_numel_ += fp.spec.padded_numel();
+    }
+    params_.push_back(std::move(fp));
+  }
+  accumulated_.resize(params_.size());
+  counted_grad_.assign(params_.size(), 0);
+
+  torch::NoGradGuard no_grad;
+  sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
+  gathered_ = at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
+  // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots
+  throw std::logic_error("not implemented: stage 04 — copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots");
+  meter_.allocate(MemoryKind::kParams, sharded_bytes());
+}
+
+FsdpUnit::~FsdpUnit() {
+  try {
+    all_gather_.wait();  // it writes into our buffers
+  } catch (...) {        // a destructor must not throw; finish_unshard reported (or will report) the error
+  }
+}
+
+bool FsdpUnit::has_frozen() const {
+  for (const auto& fp : params_)
+    if (!fp.trainable) return true;
+  return false;
+}
+
+size_t FsdpUnit::trainable_count() const {
+  size_t n = 0;
+  for (const auto& fp : params_) n += fp.trainable ? 1 : 0;
+  return n;
+}
+
+int64_t FsdpUnit::gathered_bytes() const { return storage_bytes(gathered_); }
+
+int64_t FsdpUnit::gathered_capacity_bytes() const { return gathered_numel_ * c10::elementSize(dtypes_.param); }
+
+int64_t FsdpUnit::sharded_bytes() const { return bytes_of(sharded_flat_); }
+
+void FsdpUnit::begin_unshard() {
+  if (state_ != UnitState::kSharded) return;
+  torch::NoGradGuard no_grad;
+  // TODO(stage04): regrow the gathered buffer, issue one all-gather of this rank's padded shards
+  throw std::logic_error("not implemented: stage 04 — regrow the gathered buffer, issue one all-gather of this rank's padded shards");
+  meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes() + bytes_of(all_gather_out_) +
+                                           (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0));
+}
+
+void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
+  // TODO(stage04): copy-out: every rank's real rows of every parameter from its block into the full parameter
+  throw std::logic_error("not implemented: stage 04 — copy-out: every rank's real rows of every parameter from its block into the full parameter");
+}
+
+void FsdpUnit::finish_unshard() {
+  if (state_ == UnitState::kUnsharded) return;
+  if (state_ == UnitState::kSharded) begin_unshard();
+  all_gather_.wait();
+  const int64_t transient = bytes_of(all_gather_out_) + (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0);
+  {
+    torch::NoGradGuard no_grad;
+    copy_out(all_gather_out_, gathered_);  // through the buffer: Note [Why the registered tensor never changes]
+  }
+  all_gather_out_ = at::Tensor();
+  all_gather_in_ = at::Tensor();
+  meter_.release(MemoryKind::kParams, transient);
+  state_ = UnitState::kUnsharded;
+}
+
+void FsdpUnit::reshard() {
+  if (state_ == UnitState::kUnsharding) finish_unshard();
+  if (state_ == UnitState::kSharded) return;
+  // TODO(stage04): free the gathered buffer's bytes; the unit is sharded again
+  throw std::logic_error("not implemented: stage 04 — free the gathered buffer's bytes; the unit is sharded again");
+  meter_.release(MemoryKind::kParams, gathered_capacity_bytes());
+}
+
+void FsdpUnit::note_gradient(size_t k) {
+  const at::Tensor& g = params_.at(k).param.grad();
+  if (counted_grad_[k] != 0 || !g.defined()) return;
+  counted_grad_[k] = bytes_of(g);
+  meter_.allocate(MemoryKind::kGrads, counted_grad_[k]);
+}
+
+void FsdpUnit::release_gradient(size_t k) {
+  meter_.release(MemoryKind::kGrads, counted_grad_[k]);
+  counted_grad_[k] = 0;
+}
+
+void FsdpUnit::stash_gradients() {
+  if (dtypes_.reduce == dtypes_.param) return;  // autograd keeps adding into .grad(), already the reduce dtype
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    at::Tensor& g = params_[k].param.mutable_grad();
+    if (!params_[k].trainable || !g.defined()) continue;
+    if (accumulated_[k].defined()) {
+      accumulated_[k].add_(g);
+    } else {
+      accumulated_[k] = g.to(dtypes_.reduce);
+      meter_.allocate(MemoryKind::kGrads, bytes_of(accumulated_[k]));
+    }
+    g.reset();
+    release_gradient(k);
+  }
+}
+
+Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
+  const int world = comm_.size();
+  torch::NoGradGuard no_grad;
+  at::Tensor input = at::empty({world, grad_row_numel_}, sharded_flat_.options().dtype(dtypes_.reduce));
+  at::Tensor output = at::empty({grad_row_numel_}, input.options());
+  const int64_t transient = bytes_of(input) + bytes_of(output);
+  meter_.allocate(MemoryKind::kGrads, transient);
+  // TODO(stage04): rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them
+  throw std::logic_error("not implemented: stage 04 — rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them");
+  Handle reduced = hook_(input.view({-1}), output);
+  return std::move(reduced).then([this, input, output, transient] {
+    torch::NoGradGuard no_grad;
+    // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
+    throw std::logic_error("not implemented: stage 04 — this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
+    meter_.release(MemoryKind::kGrads, transient);
+  });
+}
+
+std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
+  torch::NoGradGuard no_grad;
+  at::Tensor blocks = at::empty({comm_.size() * shard_numel_}, sharded_flat_.options());
+  comm_.all_gather(blocks, sharded_flat_).wait();
+  at::Tensor full = at::empty({gathered_numel_}, sharded_flat_.options());
+  copy_out(blocks, full);
+  std::vector<at::Tensor> out;
+  for (const auto& fp : params_) out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());
+  return out;
+}
+
+}  // namespace shardlab::fsdp

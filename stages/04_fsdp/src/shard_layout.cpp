@@ -1,0 +1,54 @@
+#include "shardlab/fsdp/shard_layout.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace shardlab::fsdp {
+
+ShardSpec shard_spec(c10::IntArrayRef sizes, int world) {
+  if (world < 1) throw std::invalid_argument("shard_spec: expected world >= 1; got " + std::to_string(world));
+  if (sizes.empty())
+    throw std::invalid_argument("shard_spec: a scalar (0-d) parameter has no dim 0 to shard on; expected at least "
+                                "one dimension");
+  for (int64_t s : sizes)
+    if (s < 0) throw std::invalid_argument("shard_spec: negative size in " + c10::str(sizes));
+  ShardSpec spec;
+  spec.sizes.assign(sizes.begin(), sizes.end());
+  spec.world = world;
+  // TODO(stage04): padded rows per rank (torch.chunk's chunk size) and elements per row
+  throw std::logic_error("not implemented: stage 04 — padded rows per rank (torch.chunk's chunk size) and elements per row");
+  return spec;
+}
+
+int64_t ShardSpec::first_row_of(int rank) const {
+  // TODO(stage04): the first row of rank's chunk, clamped to d0 (empty chunks start at the end)
+  throw std::logic_error("not implemented: stage 04 — the first row of rank's chunk, clamped to d0 (empty chunks start at the end)");
+}
+
+int64_t ShardSpec::rows_of(int rank) const {
+  // TODO(stage04): real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows
+  throw std::logic_error("not implemented: stage 04 — real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows");
+}
+
+std::vector<int64_t> ShardSpec::shard_sizes(int rank) const {
+  std::vector<int64_t> out = sizes;
+  out[0] = rows_of(rank);
+  return out;
+}
+
+void copy_in_shard(const ShardSpec& spec, const at::Tensor& full, int rank, const at::Tensor& padded) {
+  if (full.sizes() != c10::IntArrayRef(spec.sizes))
+    throw std::invalid_argument("copy_in_shard: expected a full tensor of sizes " + c10::str(spec.sizes) + "; got " +
+                                c10::str(full.sizes()));
+  if (padded.numel() != spec.padded_numel() || !padded.is_contiguous())
+    throw std::invalid_argument("copy_in_shard: expected a contiguous padded shard of " +
+                                std::to_string(spec.padded_numel()) + " elements; got " +
+                                std::to_string(padded.numel()));
+  // TODO(stage04): the rank's real rows first, zeros after
+  throw std::logic_error("not implemented: stage 04 — the rank's real rows first, zeros after");
+}
+
+}  // namespace shardlab::fsdp

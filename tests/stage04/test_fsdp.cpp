@@ -1,0 +1,362 @@
+// Stage 04, task 4 — FSDP on units: N ranks (threads, real Gloo) train exactly like one device, with B+1
+// all-gathers in forward, B in backward and B+1 reduce-scatters per step, units freed between uses, and the
+// measured memory peak equal to the layout's accounting.
+#include "shardlab/fsdp/fsdp.h"
+
+#include "shardlab/common/data.h"
+#include "shardlab/common/flat_storage.h"
+#include "shardlab/common/reference.h"
+#include "shardlab/common/thread_ranks.h"
+
+#include "support/device.h"
+#include "support/train_replica.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <iostream>
+#include <sstream>
+
+namespace shardlab::fsdp {
+namespace {
+
+constexpr double kRtol = 1e-5, kAtol = 1e-6;
+
+GroupOptions test_group() {
+  GroupOptions o;
+  o.timeout = std::chrono::milliseconds(30'000);
+  return o;
+}
+
+std::vector<at::Tensor> on_cpu(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().cpu().to(at::kFloat));
+  return out;
+}
+
+struct Case {
+  std::string model, optimizer;
+  int world, micro;
+  bool raf;
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& e) {
+  return os << e.model << "_" << e.optimizer << "_w" << e.world << "_m" << e.micro << (e.raf ? "_raf" : "_keep");
+}
+
+class Equivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Equivalence, MatchesSingleDeviceReference) {
+  const Case& e = GetParam();
+  TrainConfig c;
+  c.model = e.model;
+  c.optimizer = e.optimizer;
+  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
+  c.steps = 4;
+  c.global_batch = 12 % (e.world * e.micro) == 0 ? 12 : 4 * e.world * e.micro;
+  c.micro_batches = e.micro;
+  c.seed = 13;
+  c.device = test_support::device_name();
+  Options options;
+  options.reshard_after_forward = e.raf;
+  options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
+  const ReferenceResult ref = train_reference(c);
+  std::vector<std::vector<at::Tensor>> finals(e.world);
+  run_ranks(e.world, [&](Communicator& comm) {
+    auto model = make_model(c, device_of(c));
+    FullyShardedModel fsdp(model, comm, options);
+    test_support::train_steps(comm, c, fsdp.parameters(), device_of(c), fsdp);
+    finals[comm.rank()] = on_cpu(fsdp.full_parameters());
+  }, test_group());
+  for (int r = 0; r < e.world; ++r) {
+    const double diff = max_abs_diff(finals[r], ref.params);
+    std::cout << e << " rank " << r << ": max |param - reference| = " << diff << "\n";
+    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
+  }
+}
+
+std::vector<Case> cases() {
+  // tiny GPT with SGD: see Note [AdamW and near-zero gradients] in tests/stage01.
+  return {{"tiny_gpt", "sgd", 2, 1, true},  {"tiny_gpt", "sgd", 3, 2, false}, {"tiny_gpt", "sgd", 4, 1, true},
+          {"mlp", "sgd", 1, 1, true},       {"mlp", "adamw", 2, 1, true},      {"mlp", "adamw", 3, 3, true},
+          {"mlp", "sgd", 4, 2, false},      {"edge", "sgd", 2, 1, true},       {"edge", "adamw", 3, 2, false},
+          {"edge", "sgd", 4, 1, true}};
+}
+
+INSTANTIATE_TEST_SUITE_P(Stage04, Equivalence, ::testing::ValuesIn(cases()), [](const auto& info) {
+  std::ostringstream s;
+  s << info.param;
+  return s.str();
+});
+
+// Records of one phase, split by op.
+struct Phase {
+  std::vector<CollectiveRecord> all_gathers, reduce_scatters, other;
+};
+
+Phase split(const std::vector<CollectiveRecord>& records) {
+  Phase p;
+  for (const auto& r : records) {
+    if (r.op == "all_gather") p.all_gathers.push_back(r);
+    else if (r.op == "reduce_scatter") p.reduce_scatters.push_back(r);
+    else p.other.push_back(r);
+  }
+  return p;
+}
+
+class Structure : public ::testing::TestWithParam<bool> {};
+
+TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
+  const bool raf = GetParam();
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 4;
+  const int world = 2, blocks = static_cast<int>(c.layers);
+  run_ranks(world, [&](Communicator& comm) {
+    auto model = make_model(c, at::kCPU);
+    Options options;
+    options.reshard_after_forward = raf;
+    FullyShardedModel fsdp(model, comm, options);
+    ASSERT_EQ(fsdp.units().size(), static_cast<size_t>(blocks + 1)) << "one unit per block, then the root";
+    ASSERT_NE(fsdp.root(), nullptr);
+    auto data = make_dataset(c.model, c.seed);
+    for (int step = 0; step < 2; ++step) {
+      Batch b = rank_slice(data->global_batch(step, c.global_batch), comm.rank(), world);
+      const size_t start = comm.recorder().size();
+      at::Tensor loss = fsdp.loss(b);
+      const size_t after_forward = comm.recorder().size();
+      // Between uses: units freed (raf) or kept (no raf); the root stays gathered for its backward.
+      for (size_t u = 0; u + 1 < fsdp.units().size(); ++u)
+        EXPECT_EQ(fsdp.units()[u]->gathered_bytes(), raf ? 0 : fsdp.units()[u]->gathered_capacity_bytes())
+            << fsdp.units()[u]->name() << " after forward";
+      EXPECT_EQ(fsdp.root()->gathered_bytes(), fsdp.root()->gathered_capacity_bytes()) << "root after forward";
+      loss.backward();
+      const Phase fwd = split(comm.recorder().since(start));
+      Phase forward, backward;
+      {
+        const auto all = comm.recorder().since(start);
+        forward = split({all.begin(), all.begin() + static_cast<long>(after_forward - start)});
+        backward = split({all.begin() + static_cast<long>(after_forward - start), all.end()});
+      }
+      std::cout << (raf ? "raf" : "keep") << " step " << step << ": forward " << forward.all_gathers.size()
+                << " all-gathers, backward " << backward.all_gathers.size() << " all-gathers and "
+                << backward.reduce_scatters.size() << " reduce-scatters\n";
+      EXPECT_EQ(forward.all_gathers.size(), static_cast<size_t>(blocks + 1)) << "B+1 all-gathers in forward";
+      EXPECT_TRUE(forward.reduce_scatters.empty() && forward.other.empty()) << "nothing else in forward";
+      EXPECT_EQ(backward.all_gathers.size(), raf ? static_cast<size_t>(blocks) : 0u)
+          << "backward gathers every block again (raf) or none (kept); the root is kept";
+      EXPECT_EQ(backward.reduce_scatters.size(), static_cast<size_t>(blocks + 1)) << "B+1 reduce-scatters";
+      EXPECT_TRUE(backward.other.empty()) << "no other collective";
+      // Sizes: the forward gathers the root first, then block 0, 1, ...; each of the unit's padded shard numel.
+      for (size_t i = 0; i < forward.all_gathers.size(); ++i) {
+        const FsdpUnit& unit = i == 0 ? *fsdp.root() : *fsdp.units()[i - 1];
+        EXPECT_EQ(forward.all_gathers[i].numel * static_cast<int64_t>(sizeof(float)), unit.sharded_bytes())
+            << "all-gather " << i << " (" << unit.name() << ")";
+      }
+      // Reduce-scatters in reverse forward order: block B-1 first, the root last; S rows of padded numel.
+      for (size_t i = 0; i < backward.reduce_scatters.size(); ++i) {
+        const FsdpUnit& unit = i + 1 == backward.reduce_scatters.size() ? *fsdp.root() : *fsdp.units()[blocks - 1 - i];
+        EXPECT_EQ(backward.reduce_scatters[i].numel * static_cast<int64_t>(sizeof(float)), world * unit.sharded_bytes())
+            << "reduce-scatter " << i << " (" << unit.name() << ")";
+      }
+      // After backward: every unit sharded, no unsharded parameter or gradient storage left.
+      for (const auto& unit : fsdp.units()) {
+        EXPECT_EQ(unit->state(), UnitState::kSharded) << unit->name();
+        EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
+        for (const auto& fp : unit->params()) {
+          EXPECT_EQ(storage_bytes(fp.param), 0) << fp.name;
+          EXPECT_FALSE(fp.param.grad().defined()) << fp.name << " keeps an unsharded gradient";
+          EXPECT_TRUE(fp.sharded.grad().defined()) << fp.name;
+        }
+      }
+      (void)fwd;
+      for (const auto& p : fsdp.parameters()) p.mutable_grad().zero_();
+    }
+  }, test_group());
+}
+
+INSTANTIATE_TEST_SUITE_P(Stage04, Structure, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "reshard_after_forward" : "keep_after_forward"; });
+
+TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 4;
+  run_ranks(2, [&](Communicator& comm) {
+    for (bool raf : {true, false}) {
+      auto model = make_model(c, at::kCPU);
+      Options options;
+      options.reshard_after_forward = raf;
+      FullyShardedModel fsdp(model, comm, options);
+      auto data = make_dataset(c.model, c.seed);
+      fsdp.reset_memory_peaks();
+      fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();
+      const MemoryTheory t = fsdp.memory_theory();
+      // The copy-out needs the all-gather buffer (S blocks of the unit's shards) beside the gathered buffer, for
+      // the unit being gathered. raf: the largest such moment is the root plus one block; kept: every block.
+      int64_t largest_gather = 0, every_block = 0;
+      for (size_t u = 0; u + 1 < fsdp.units().size(); ++u) {
+        const FsdpUnit& unit = *fsdp.units()[u];
+        largest_gather = std::max(largest_gather, unit.gathered_capacity_bytes() + 2 * unit.sharded_bytes());
+        every_block += unit.gathered_capacity_bytes();
+      }
+      const FsdpUnit& last = *fsdp.units()[fsdp.units().size() - 2];  // the last block gathered in forward
+      const int64_t expected = t.sharded_param_bytes + t.root_bytes +
+                               (raf ? largest_gather : every_block + 2 * last.sharded_bytes());
+      const MemoryStats& m = fsdp.memory();
+      if (comm.rank() == 0)
+        std::cout << (raf ? "raf" : "keep") << ": peak parameter bytes measured " << m.peak_param_bytes
+                  << ", theory " << t.peak_param_bytes << " (" << double(m.peak_param_bytes) / t.peak_param_bytes
+                  << "x), accounting " << expected << "; gradient bytes measured " << m.peak_grad_bytes
+                  << ", theory " << t.peak_grad_bytes << "\n";
+      EXPECT_EQ(m.peak_param_bytes, expected);
+      // Gradients: one reduce-scatter in flight while the next unit's buffers are made (two units' buffers).
+      EXPECT_LE(m.peak_grad_bytes, t.peak_grad_bytes + 2 * t.largest_reduce_bytes);
+      EXPECT_GE(m.peak_grad_bytes, t.peak_grad_bytes);
+      EXPECT_GE(m.peak_param_bytes, t.peak_param_bytes);
+      EXPECT_EQ(m.param_bytes, t.sharded_param_bytes) << "after the step only the shards are held";
+      EXPECT_EQ(m.grad_bytes, t.sharded_grad_bytes) << "after the step only the sharded gradients are held";
+    }
+  }, test_group());
+}
+
+TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
+  // Both ranks see the same batch, rank r scales its loss by (r + 1): the mean gradient is 1.5x one rank's
+  // unscaled gradient; a sum would be 3x (the bug FSDP2 has had on Gloo, PyTorch issue #162338).
+  TrainConfig c;
+  c.model = "mlp";
+  c.global_batch = 4;
+  auto reference = make_model(c, at::kCPU);
+  auto data = make_dataset(c.model, c.seed);
+  const Batch batch = data->global_batch(0, c.global_batch);
+  reference->loss(batch).backward();
+  std::vector<at::Tensor> expected;
+  for (const auto& p : reference->parameters()) expected.push_back(p.grad() * 1.5);
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model(c, at::kCPU);
+    FullyShardedModel fsdp(model, comm);
+    (fsdp.loss(batch) * static_cast<double>(comm.rank() + 1)).backward();
+    double diff = 0;
+    size_t i = 0;
+    for (const auto& unit : fsdp.units()) {
+      for (const auto& fp : unit->params()) {
+        const at::Tensor want = expected[i++].narrow(0, fp.spec.first_row_of(comm.rank()), fp.spec.rows_of(comm.rank()));
+        if (want.numel() == 0) continue;
+        diff = std::max(diff, (fp.sharded.grad() - want).abs().max().item<double>());
+      }
+    }
+    if (comm.rank() == 0) std::cout << "max |sharded grad - 1.5 x single-rank grad| = " << diff << "\n";
+    EXPECT_LT(diff, 1e-6);
+  }, test_group());
+}
+
+TEST(FullyShardedModel, NoSyncAccumulatesAndReduceScattersOnlyOnTheLastMicroBatch) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 12;
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model(c, at::kCPU);
+    FullyShardedModel fsdp(model, comm);
+    auto data = make_dataset(c.model, c.seed);
+    auto micro = micro_batches(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2), 3);
+    const size_t start = comm.recorder().size();
+    for (int i = 0; i < 2; ++i) {
+      auto scope = fsdp.no_sync();
+      EXPECT_FALSE(fsdp.sync_enabled());
+      fsdp.loss(micro[i]).backward();
+    }
+    const Phase accumulating = split(comm.recorder().since(start));
+    EXPECT_TRUE(accumulating.reduce_scatters.empty()) << "no reduce-scatter inside no_sync";
+    for (const auto& unit : fsdp.units())
+      for (const auto& fp : unit->params()) {
+        EXPECT_TRUE(fp.param.grad().defined()) << fp.name << ": the unsharded gradient accumulates";
+        EXPECT_FALSE(fp.sharded.grad().defined()) << fp.name;
+      }
+    const size_t last = comm.recorder().size();
+    fsdp.loss(micro[2]).backward();
+    const Phase synced = split(comm.recorder().since(last));
+    EXPECT_EQ(synced.reduce_scatters.size(), fsdp.units().size()) << "one reduce-scatter per unit, once";
+    for (const auto& unit : fsdp.units())
+      for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
+  }, test_group());
+}
+
+TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.steps = 3;
+  c.global_batch = 8;
+  c.micro_batches = 2;
+  const ReferenceResult ref = train_reference(c);
+  std::vector<at::Tensor> finals;
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model(c, at::kCPU);
+    Options options;
+    options.mixed_precision.param_dtype = at::kBFloat16;
+    options.mixed_precision.reduce_dtype = at::kFloat;
+    FullyShardedModel fsdp(model, comm, options);
+    for (const auto& unit : fsdp.units()) {
+      EXPECT_EQ(unit->dtypes().param, at::kBFloat16);
+      EXPECT_EQ(unit->dtypes().reduce, at::kFloat);
+      for (const auto& fp : unit->params()) {
+        EXPECT_EQ(fp.param.scalar_type(), at::kBFloat16) << fp.name << ": computes in the param dtype";
+        EXPECT_EQ(fp.sharded.scalar_type(), at::kFloat) << fp.name << ": the shard stays in the original dtype";
+      }
+    }
+    const size_t start = comm.recorder().size();
+    test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
+    for (const auto& r : comm.recorder().since(start)) {
+      if (r.op == "all_gather") EXPECT_EQ(r.dtype, at::kBFloat16) << "all-gather in the param dtype";
+      if (r.op == "reduce_scatter") EXPECT_EQ(r.dtype, at::kFloat) << "reduce-scatter in the reduce dtype";
+    }
+    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
+    auto full = on_cpu(fsdp.full_parameters());
+    if (comm.rank() == 0) finals = full;
+  }, test_group());
+  const double diff = max_abs_diff(finals, ref.params);
+  std::cout << "bf16 compute, f32 reduce vs the f32 reference: max |param diff| = " << diff << "\n";
+  EXPECT_LT(diff, 2e-2) << "bf16 keeps 8 bits of mantissa: about 1e-2 after 3 steps";
+  EXPECT_GT(diff, 0) << "bf16 compute cannot be bit-identical to f32";
+}
+
+TEST(FullyShardedModel, AnUnusedParameterIsAnErrorNamingItAndNoRankHangs) {
+  TrainConfig c;
+  c.model = "edge";
+  c.global_batch = 4;
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model(c, at::kCPU);
+    FullyShardedModel fsdp(model, comm);
+    auto data = make_dataset(c.model, c.seed);
+    fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();  // even: all used
+    try {
+      fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();  // odd: unused
+    } catch (const std::runtime_error& e) {
+      errors[comm.rank()] = e.what();
+    }
+    // The wrapper is still usable: the next (even) step trains.
+    fsdp.loss(rank_slice(data->global_batch(2, c.global_batch), comm.rank(), 2)).backward();
+  }, test_group());
+  for (const auto& e : errors) EXPECT_NE(e.find("'sometimes'"), std::string::npos) << "got: " << e;
+}
+
+TEST(FullyShardedModel, EvaluationGathersAndFreesWithoutBackward) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 4;
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = make_model(c, at::kCPU);
+    Options options;
+    options.reshard_after_forward = false;
+    FullyShardedModel fsdp(model, comm, options);
+    auto data = make_dataset(c.model, c.seed);
+    torch::NoGradGuard no_grad;
+    const double loss = fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).item<double>();
+    EXPECT_GT(loss, 0);
+    for (const auto& unit : fsdp.units()) EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
+  }, test_group());
+}
+
+}  // namespace
+}  // namespace shardlab::fsdp
