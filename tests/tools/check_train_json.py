@@ -39,6 +39,18 @@ else:
         errors.append("collectives per step differ from theory")
     if report["bytes_per_step"] != report["bytes_per_step_theory"]:
         errors.append("bytes per step differ from theory")
+    if report["strategy"] == "fsdp":
+        # Memory: measured by FSDP's accounting, never below theory (it is a lower bound), and below the replica.
+        for key in ("peak_param_bytes", "peak_param_bytes_theory", "peak_grad_bytes", "peak_grad_bytes_theory"):
+            if key not in report:
+                errors.append(f"missing key {key}")
+        if not errors:
+            print("peak param bytes", report["peak_param_bytes"], "theory", report["peak_param_bytes_theory"],
+                  "peak grad bytes", report["peak_grad_bytes"], "theory", report["peak_grad_bytes_theory"])
+            if not report["peak_param_bytes_theory"] <= report["peak_param_bytes"]:
+                errors.append("measured parameter peak below theory: the accounting misses a buffer")
+            if not report["peak_grad_bytes_theory"] <= report["peak_grad_bytes"]:
+                errors.append("measured gradient peak below theory: the accounting misses a buffer")
     worst = max(abs(a - b) for a, b in zip(report["losses"], report["reference_losses"]))
     print("max |loss - reference loss|", worst)
     if worst > max(1e-4, 10 * max_diff):

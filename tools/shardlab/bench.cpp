@@ -161,7 +161,7 @@ int run_bench(const std::vector<std::string>& args, const std::string& self_exe)
     }
   }
   int64_t params = 0;
-  for (const auto& p : trainable_parameters(*make_model(o.train.model, o.train.seed))) params += p.numel();
+  for (const auto& p : trainable_parameters(*make_model(o.train, at::kCPU))) params += p.numel();
   if (torch.ok && static_cast<int64_t>(torch.param_count) != params) {
     torch.ok = false;
     torch.why = "PyTorch model has " + std::to_string(static_cast<int64_t>(torch.param_count)) +

@@ -145,6 +145,11 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.buckets = text["buckets"].empty() ? 0 : text["buckets"][0];
       r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / o.train.steps;
       r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / o.train.steps;
+      auto first = [&](const char* key) { return text[key].empty() ? 0.0 : text[key][0]; };
+      r.peak_param_bytes = first("peak_param_bytes");
+      r.peak_param_bytes_theory = first("peak_param_bytes_theory");
+      r.peak_grad_bytes = first("peak_grad_bytes");
+      r.peak_grad_bytes_theory = first("peak_grad_bytes_theory");
     }
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
@@ -154,7 +159,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
   }
   const Theory theory =
-      strategy.theory(*make_model(o.train.model, o.train.seed), o.world_size, o.strategy_options);
+      strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;
   return r;
@@ -179,6 +184,12 @@ void print_report(const RunReport& r) {
   if (r.bytes_per_step != r.bytes_per_step_theory && r.strategy == "hook_bf16")
     std::cout << "  (the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks])\n";
   if (r.buckets > 0) std::cout << "  buckets: " << r.buckets << "\n";
+  if (r.peak_param_bytes > 0)
+    std::cout << "  peak memory per rank: parameters " << static_cast<int64_t>(r.peak_param_bytes) << " bytes (theory "
+              << static_cast<int64_t>(r.peak_param_bytes_theory) << "), gradients "
+              << static_cast<int64_t>(r.peak_grad_bytes) << " bytes (theory "
+              << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
+              << (r.strategy == "fsdp" ? ", measured" : ", a full replica") << "\n";
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
   if (r.world_size > 1)
     std::cout << "  communication per step: " << r.comm_busy_ms_per_step << " ms in flight, "
@@ -196,7 +207,8 @@ void print_comparison(const std::vector<RunReport>& reports) {
   std::cout << std::left << std::setw(16) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
             << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
             << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
-            << "(theory)" << std::setw(12) << "step ms" << std::setw(13) << "exposed ms" << "\n";
+            << "(theory)" << std::setw(12) << "step ms" << std::setw(13) << "exposed ms" << std::setw(12) << "param B"
+            << std::setw(10) << "(theory)" << std::setw(12) << "grad B" << std::setw(10) << "(theory)" << "\n";
   for (const auto& r : reports) {
     std::cout << std::left << std::setw(16) << r.strategy << std::right << std::setw(6) << r.world_size
               << std::fixed << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12)
@@ -205,7 +217,11 @@ void print_comparison(const std::vector<RunReport>& reports) {
               << r.collectives_per_step_theory << std::setw(14) << static_cast<int64_t>(r.bytes_per_step)
               << std::setw(12) << static_cast<int64_t>(r.bytes_per_step_theory) << std::fixed
               << std::setprecision(2) << std::setw(12) << r.step_time_ms << std::setw(13)
-              << r.exposed_comm_ms_per_step << std::defaultfloat << "\n";
+              << r.exposed_comm_ms_per_step << std::defaultfloat << std::setw(12)
+              << static_cast<int64_t>(r.peak_param_bytes) << std::setw(10)
+              << static_cast<int64_t>(r.peak_param_bytes_theory) << std::setw(12)
+              << static_cast<int64_t>(r.peak_grad_bytes) << std::setw(10)
+              << static_cast<int64_t>(r.peak_grad_bytes_theory) << "\n";
   }
 }
 
@@ -245,6 +261,11 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"buckets\": " << r.buckets << ",\n"
       << pad << "  \"comm_busy_ms_per_step\": " << r.comm_busy_ms_per_step << ",\n"
       << pad << "  \"exposed_comm_ms_per_step\": " << r.exposed_comm_ms_per_step << ",\n"
+      << pad << "  \"layers\": " << r.train.layers << ",\n"
+      << pad << "  \"peak_param_bytes\": " << r.peak_param_bytes << ",\n"
+      << pad << "  \"peak_param_bytes_theory\": " << r.peak_param_bytes_theory << ",\n"
+      << pad << "  \"peak_grad_bytes\": " << r.peak_grad_bytes << ",\n"
+      << pad << "  \"peak_grad_bytes_theory\": " << r.peak_grad_bytes_theory << ",\n"
       << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n"
       << pad << "}";
 }

@@ -39,6 +39,12 @@ double parse_double(const std::string& flag, const std::string& value) {
   return v;
 }
 
+// The floating dtypes FSDP's mixed precision takes ("" is not among them: leave the flag out instead).
+const std::vector<std::string>& dtype_names() {
+  static const std::vector<std::string> names{"float32", "bfloat16", "float16", "float64"};
+  return names;
+}
+
 std::string one_of(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed) {
   if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return value;
   std::string list;
@@ -76,6 +82,11 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     else if (flag == "--threads") o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
     else if (flag == "--device") o.train.device = parse_device(v).str();
     else if (flag == "--backend") o.backend = one_of(flag, v, {"gloo", "nccl"});
+    else if (flag == "--layers") o.train.layers = parse_int(flag, v, 1, 64);
+    else if (flag == "--reshard-after-forward")
+      o.strategy_options.reshard_after_forward = one_of(flag, v, {"true", "false"}) == "true";
+    else if (flag == "--param-dtype") o.strategy_options.param_dtype = one_of(flag, v, dtype_names());
+    else if (flag == "--reduce-dtype") o.strategy_options.reduce_dtype = one_of(flag, v, dtype_names());
     else throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
   const int world = o.strategy == "single" ? 1 : o.world_size;
@@ -115,7 +126,15 @@ std::vector<std::string> to_args(const RunOptions& o) {
           "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
           "--threads",       std::to_string(o.threads),
           "--device",        o.train.device,
-          "--backend",       o.backend};
+          "--backend",       o.backend,
+          "--layers",        std::to_string(o.train.layers),
+          "--reshard-after-forward", o.strategy_options.reshard_after_forward ? "true" : "false"};
+  for (const auto& [flag, value] : {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
+                                    {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {
+    if (value.empty()) continue;
+    args.push_back(flag);
+    args.push_back(value);
+  }
   if (!o.trace_dir.empty()) {
     args.push_back("--trace");
     args.push_back(o.trace_dir);
@@ -134,6 +153,7 @@ std::string usage() {
          "options:\n"
          "  --world-size N      ranks (processes)                      default 2\n"
          "  --model M           mlp|tiny_gpt|edge                      default mlp\n"
+         "  --layers N          transformer blocks of tiny_gpt         default 4\n"
          "  --steps K           optimizer steps                        default 10\n"
          "  --global-batch B    examples per step over all ranks       default 16\n"
          "  --seed S            model and data seed                    default 1\n"
@@ -142,6 +162,9 @@ std::string usage() {
          "  --micro-batches M   gradient accumulation per step         default 1\n"
          "  --bucket-cap-kb N   bucket cap after the first bucket      default 25600 (25 MiB)\n"
          "  --first-bucket-kb N cap of the first bucket                default 1024 (1 MiB)\n"
+         "  --reshard-after-forward true|false  FSDP: free units after forward   default true\n"
+         "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the parameters'\n"
+         "  --reduce-dtype T    FSDP: reduce-scatter dtype             default: the param dtype\n"
          "  --threads N         intra-op threads per rank (0: default) default 0\n"
          "  --device D          cpu|cuda|cuda:N; cuda = GPU LOCAL_RANK  default cpu\n"
          "  --backend B         gloo|nccl (nccl: --device cuda)        default gloo\n"

@@ -8,10 +8,13 @@
 
 namespace shardlab::cli {
 
-/// Knobs of the DDP wrappers (ignored by strategies that have no buckets).
+/// Knobs of the wrappers (each strategy reads the ones it has: buckets for DDP, the rest for FSDP).
 struct StrategyOptions {
   int64_t bucket_cap_bytes = int64_t{25} << 20;       ///< --bucket-cap-kb: cap of every bucket after the first
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;  ///< --first-bucket-kb: cap of the first bucket
+  bool reshard_after_forward = true;                  ///< --reshard-after-forward true|false (FSDP units)
+  std::string param_dtype;                            ///< --param-dtype (FSDP; "" = the parameters' own)
+  std::string reduce_dtype;                           ///< --reduce-dtype (FSDP; "" = the param dtype)
 };
 
 /// Everything one run needs; filled from flags by parse_options.

@@ -26,6 +26,10 @@ struct RunReport {
   double buckets = 0;                    ///< gradient buckets (0: strategy without buckets)
   double comm_busy_ms_per_step = 0;      ///< rank 0: time a collective was in flight, per step
   double exposed_comm_ms_per_step = 0;   ///< rank 0: part of it the training thread waited for, per step
+  double peak_param_bytes = 0;           ///< rank 0: most parameter bytes held at once (FSDP: measured)
+  double peak_param_bytes_theory = 0;    ///< what theory says for the same layout
+  double peak_grad_bytes = 0;            ///< rank 0: most gradient bytes held at once (FSDP: measured)
+  double peak_grad_bytes_theory = 0;     ///< what theory says
   std::string trace_dir;                 ///< where the Chrome traces went ("" = none)
   std::string backend;                   ///< "gloo", "nccl", or "none" (single device)
 };

@@ -5,11 +5,14 @@
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
+#include "shardlab/fsdp/fsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 
 namespace shardlab::cli {
@@ -35,6 +38,47 @@ class SingleDevice {
 size_t bucket_count(const SingleDevice&) { return 0; }
 size_t bucket_count(const naive_ddp::NaiveDDP&) { return 0; }
 size_t bucket_count(const bucketed_ddp::BucketedDDP& ddp) { return ddp.buckets().size(); }
+size_t bucket_count(const fsdp::FullyShardedModel&) { return 0; }
+
+// What the optimizer steps: a replica's trainable parameters, or FSDP's shards.
+template <typename Wrapper>
+std::vector<at::Tensor> optimizer_parameters(Wrapper&, Model& model) {
+  return trainable_parameters(model);
+}
+std::vector<at::Tensor> optimizer_parameters(fsdp::FullyShardedModel& w, Model&) { return w.parameters(); }
+
+// Every parameter as one device holds it: a replica's own, or FSDP's gathered from the shards (a collective).
+template <typename Wrapper>
+std::vector<at::Tensor> full_parameters_of(Wrapper&, Model& model) {
+  return model.parameters();
+}
+std::vector<at::Tensor> full_parameters_of(fsdp::FullyShardedModel& w, Model&) { return w.full_parameters(); }
+
+// Bytes of every parameter, and of every trainable parameter's gradient: what a replica holds.
+MemoryFigures replica_memory(const Model& model) {
+  MemoryFigures m;
+  for (const auto& p : model.parameters()) {
+    m.peak_param_bytes += static_cast<double>(p.numel() * p.element_size());
+    if (p.requires_grad()) m.peak_grad_bytes += static_cast<double>(p.numel() * p.element_size());
+  }
+  m.peak_param_bytes_theory = m.peak_param_bytes;
+  m.peak_grad_bytes_theory = m.peak_grad_bytes;
+  return m;
+}
+
+// Per step: FSDP measures its own buffers; the others hold a full replica.
+template <typename Wrapper>
+void begin_step_memory(Wrapper&) {}
+void begin_step_memory(fsdp::FullyShardedModel& w) { w.reset_memory_peaks(); }
+template <typename Wrapper>
+MemoryFigures step_memory(const Wrapper&, const Model& model) {
+  return replica_memory(model);
+}
+MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&) {
+  const fsdp::MemoryTheory t = w.memory_theory();
+  return {static_cast<double>(w.memory().peak_param_bytes), static_cast<double>(t.peak_param_bytes),
+          static_cast<double>(w.memory().peak_grad_bytes), static_cast<double>(t.peak_grad_bytes)};
+}
 
 // Runs micro-batches and the optimizer; `Wrapper` decides how gradients are synchronized. Wrapper::no_sync() must
 // return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy.
@@ -43,11 +87,12 @@ class WrappedRunner : public StepRunner {
  public:
   WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper)
       : config_(c), model_(std::move(model)), wrapper_(std::move(wrapper)),
-        optimizer_(make_optimizer(c.optimizer, trainable_parameters(*model_), c.lr)) {}
+        optimizer_(make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {}
 
   double step(const Batch& local) override {
     const int step = static_cast<int>(local.step);
     compat::zero_grad(*optimizer_);
+    begin_step_memory(*wrapper_);
     const int m = config_.micro_batches;
     double loss_sum = 0;
     auto micro = micro_batches(local, m);
@@ -69,19 +114,28 @@ class WrappedRunner : public StepRunner {
         run();
       }
     }
-    Timeline::Scope span(timeline_, "optimizer", step);
-    optimizer_->step();
+    {
+      Timeline::Scope span(timeline_, "optimizer", step);
+      optimizer_->step();
+    }
+    const MemoryFigures now = step_memory(*wrapper_, *model_);
+    memory_.peak_param_bytes = std::max(memory_.peak_param_bytes, now.peak_param_bytes);
+    memory_.peak_grad_bytes = std::max(memory_.peak_grad_bytes, now.peak_grad_bytes);
+    memory_.peak_param_bytes_theory = now.peak_param_bytes_theory;
+    memory_.peak_grad_bytes_theory = now.peak_grad_bytes_theory;
     return loss_sum;
   }
 
-  std::vector<at::Tensor> full_parameters() override { return model_->parameters(); }
+  std::vector<at::Tensor> full_parameters() override { return full_parameters_of(*wrapper_, *model_); }
   size_t buckets() const override { return bucket_count(*wrapper_); }
+  MemoryFigures memory() const override { return memory_; }
 
  private:
   TrainConfig config_;
   std::shared_ptr<Model> model_;
   std::unique_ptr<Wrapper> wrapper_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  MemoryFigures memory_;
 };
 
 // Bytes one reduction of every trainable gradient sends, `scale` times its own size (0.5 when compressed to 16
@@ -120,7 +174,9 @@ Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, doubl
 // A strategy that runs BucketedDDP with one of stage 03's hooks ("" = stage 02's plain all-reduce of the average).
 Strategy bucketed(std::string name, std::string description, std::string hook, double scale) {
   return {std::move(name), std::move(description), true,
-          [scale](const Model& m, int, const StrategyOptions& s) { return per_bucket_all_reduce(m, s, scale); },
+          [scale](const Model& m, int, const StrategyOptions& s, const TrainConfig&) {
+            return per_bucket_all_reduce(m, s, scale);
+          },
           [hook](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
             auto model = model_on_device(c);
             bucketed_ddp::Options options = ddp_options(s, c.model);
@@ -130,18 +186,62 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
           }};
 }
 
+fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
+  fsdp::Options o;
+  o.reshard_after_forward = s.reshard_after_forward;
+  if (!s.param_dtype.empty()) o.mixed_precision.param_dtype = fsdp::parse_dtype(s.param_dtype);
+  if (!s.reduce_dtype.empty()) o.mixed_precision.reduce_dtype = fsdp::parse_dtype(s.reduce_dtype);
+  o.allow_unused_parameters = model == "edge";  // `sometimes` has no gradient on odd steps
+  return o;
+}
+
+// FSDP's traffic per step, from the layout (B units with parameters, and the root when it has any): forward
+// gathers every unit once, backward gathers the units again when they were freed (raf) and reduce-scatters every
+// unit with trainable parameters; every micro-batch gathers, only the last reduces. Bytes are what rank 0 hands to the backend: its padded shards for an all-gather,
+// the S rows of padded gradients for a reduce-scatter (Gloo: an all-reduce of the whole input, Note [Fallbacks]).
+Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train) {
+  std::vector<std::vector<at::Tensor>> groups;
+  std::set<const c10::TensorImpl*> in_unit;
+  for (const auto& unit : model.units()) {
+    groups.emplace_back(unit.module->parameters());
+    for (const auto& p : groups.back()) in_unit.insert(p.unsafeGetTensorImpl());
+  }
+  std::vector<at::Tensor> root;
+  for (const auto& p : model.parameters())
+    if (!in_unit.count(p.unsafeGetTensorImpl())) root.push_back(p);
+  const size_t blocks = groups.size();
+  if (!root.empty()) groups.push_back(root);
+  const double elem = s.param_dtype.empty() ? 4.0 : c10::elementSize(fsdp::parse_dtype(s.param_dtype));
+  const std::string reduce = s.reduce_dtype.empty() ? s.param_dtype : s.reduce_dtype;
+  const double relem = reduce.empty() ? 4.0 : c10::elementSize(fsdp::parse_dtype(reduce));
+  Theory t;
+  for (size_t u = 0; u < groups.size(); ++u) {
+    double shard = 0, grad_row = 0;
+    for (const auto& p : groups[u]) {
+      const auto spec = fsdp::shard_spec(p.sizes(), world);
+      shard += static_cast<double>(spec.padded_numel());
+      if (p.requires_grad()) grad_row += static_cast<double>(spec.padded_numel());
+    }
+    const bool is_root = u >= blocks;
+    const int gathers = (1 + (!is_root && s.reshard_after_forward ? 1 : 0)) * train.micro_batches;
+    t.collectives += gathers + (grad_row > 0 ? 1 : 0);
+    t.bytes += gathers * shard * elem + world * grad_row * relem;
+  }
+  return t;
+}
+
 }  // namespace
 
 const std::vector<Strategy>& strategies() {
   static const std::vector<Strategy> all{
       {"single", "one device, whole global batch (the reference)", false,
-       [](const Model&, int, const StrategyOptions&) { return Theory{}; },
+       [](const Model&, int, const StrategyOptions&, const TrainConfig&) { return Theory{}; },
        [](const TrainConfig& c, const StrategyOptions&, Communicator*) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<SingleDevice>>(c, model, std::make_unique<SingleDevice>(model));
        }},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", true,
-       [](const Model& m, int, const StrategyOptions&) { return per_parameter_all_reduce(m); },
+       [](const Model& m, int, const StrategyOptions&, const TrainConfig&) { return per_parameter_all_reduce(m); },
        [](const TrainConfig& c, const StrategyOptions&, Communicator* comm) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<naive_ddp::NaiveDDP>>(
@@ -151,6 +251,12 @@ const std::vector<Strategy>& strategies() {
       bucketed("hook_allreduce", "stage 03: buckets through the fp32 hook (pre/post divide)", "allreduce", 1.0),
       bucketed("hook_fp16", "stage 03: buckets compressed to fp16 on the wire", "fp16", 0.5),
       bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5),
+      {"fsdp", "stage 04: sharded units, all-gather before use, reduce-scatter of gradients", true, fsdp_traffic,
+       [](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
+         auto model = model_on_device(c);
+         return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(
+             c, model, std::make_unique<fsdp::FullyShardedModel>(model, *comm, fsdp_options(s, c.model)));
+       }},
   };
   return all;
 }

@@ -15,6 +15,14 @@
 
 namespace shardlab::cli {
 
+/// Bytes per rank of parameters and gradients, measured beside theory (0: not reported).
+struct MemoryFigures {
+  double peak_param_bytes = 0;
+  double peak_param_bytes_theory = 0;
+  double peak_grad_bytes = 0;
+  double peak_grad_bytes_theory = 0;
+};
+
 /// Trains one rank's share: owns the model, its data-parallel wrapper and the optimizer.
 class StepRunner {
  public:
@@ -26,6 +34,9 @@ class StepRunner {
   virtual std::vector<at::Tensor> full_parameters() = 0;
   /// Number of gradient buckets (0 for strategies without buckets).
   virtual size_t buckets() const { return 0; }
+  /// Parameter and gradient memory per rank: the peak over the steps so far (measured by FSDP's accounting; a
+  /// replica's full size for the other strategies) beside what theory says.
+  virtual MemoryFigures memory() const { return {}; }
   /// Where step() records its forward, backward and optimizer spans (null: nowhere).
   void set_timeline(Timeline* timeline) { timeline_ = timeline; }
 
@@ -44,8 +55,8 @@ struct Strategy {
   std::string name;         ///< the --strategy value
   std::string description;  ///< one line for the report
   bool distributed;         ///< false: runs on one rank without communication
-  /// Expected traffic for `model` (built from the same config) on `world` ranks.
-  std::function<Theory(const Model& model, int world, const StrategyOptions&)> theory;
+  /// Expected traffic for `model` (built from the same config) on `world` ranks, training as `train` says.
+  std::function<Theory(const Model& model, int world, const StrategyOptions&, const TrainConfig& train)> theory;
   /// Builds the runner; `comm` is null when !distributed.
   std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, Communicator*)> make;
 };

@@ -78,6 +78,10 @@ int run_worker(const RunOptions& options) {
   out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
       << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms " << comm_ns.exposed_ns / 1e6
       << "\nbuckets " << runner->buckets() << "\n";
+  const MemoryFigures mem = runner->memory();
+  out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
+      << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory
+      << "\n";
   if (!o.trace_dir.empty()) {
     write_chrome_trace(o.trace_dir + "/rank" + std::to_string(rank) + ".trace.json", rank, timeline.spans(),
                        comm ? comm->recorder().snapshot() : std::vector<CollectiveRecord>{},
