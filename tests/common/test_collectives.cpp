@@ -131,9 +131,11 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       EXPECT_LE((mine_avg.to(at::kDouble) - expect / world).abs().max().item<double>(), 0.05);
       EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
     }
-    // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as an all-reduce of the whole
-    // input; 1.13 also a list all-gather and bf16 as f32, 2.6 the flat all-gather (CPU tensors) and bf16 itself.
+    // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as a ring of send/recv (CPU
+    // tensors: N-1 of the N chunks sent) or an all-reduce of the whole input (CUDA tensors); 1.13 also a list
+    // all-gather and bf16 as f32, 2.6 the flat all-gather (CPU tensors) and bf16 itself.
     const bool nccl = c.kind() == BackendKind::kNccl;
+    const bool ring = !nccl && device_.is_cpu() && world <= 2;  // kAuto: these inputs are far below 1 MiB
     const at::Tensor like = at::empty({0}, on_device(at::kFloat));
     EXPECT_EQ(c.has_reduce_scatter(), nccl);
     EXPECT_EQ(c.has_flat_all_gather(like), nccl || (kGlooBf16AndFlatAllGather && device_.is_cpu()));
@@ -143,9 +145,9 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       const int64_t wire_size = native ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
       EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat) << r.op;
       if (r.op == "reduce_scatter") {
-        EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : "all_reduce");
+        EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : ring ? "reduce_scatter(ring)" : "all_reduce");
         EXPECT_EQ(r.numel, 2 * world);
-        EXPECT_EQ(r.bytes, 2 * world * wire_size);
+        EXPECT_EQ(r.bytes, (ring ? 2 * (world - 1) : 2 * world) * wire_size);
         ++seen;
       }
       if (r.op == "all_gather") {
@@ -157,7 +159,7 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
     }
     EXPECT_EQ(seen, 10) << "2 dtypes x (2 all_gathers + 3 reduce_scatters)";
     if (c.rank() == 0)
-      std::cout << GetParam() << ": reduce_scatter " << (c.has_reduce_scatter() ? "native" : "as all_reduce")
+      std::cout << GetParam() << ": reduce_scatter " << (c.has_reduce_scatter() ? "native" : ring ? "ring" : "as all_reduce")
                 << ", all_gather " << (c.has_flat_all_gather(like) ? "flat" : "list") << ", bf16 "
                 << (c.reduces_natively(at::kBFloat16) ? "native" : "as f32") << "\n";
   }, options_);
@@ -172,6 +174,84 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld,
                            s << info.param;
                            return s.str();
                          });
+
+// The ring reduce-scatter (Note [Ring reduce-scatter]) against the all-reduce fallback, at world sizes 2-5 and
+// chunk sizes that are odd, tiny and large. Integer-valued floats (and int64) make every sum exact whatever its
+// order, so the two must agree bit for bit; with random floats they may differ in the last bit at 3 or more ranks
+// (another summation order), but at 2 ranks a + b is one addition either way: bit for bit too.
+TEST(Collectives, RingReduceScatterEqualsTheAllReduceFallbackAndSendsNMinus1OverNOfTheInput) {
+  for (int world = 2; world <= 5; ++world) {
+    run_ranks(world, [&](Communicator& c) {
+      for (int64_t chunk : {1, 7, 1001}) {
+        for (auto dt : {at::kFloat, at::kLong, at::kDouble}) {
+          at::Tensor input = at::randint(-1000, 1000, {world * chunk}, at::TensorOptions().dtype(dt)) *
+                             static_cast<int64_t>(c.rank() + 1);
+          at::Tensor ring_out = at::empty({chunk}, input.options()), ar_out = at::empty({chunk}, input.options());
+          const size_t mark = c.recorder().size();
+          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+          c.reduce_scatter(ring_out, input, ReduceOp::kSum).wait();
+          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
+          c.reduce_scatter(ar_out, input, ReduceOp::kSum).wait();
+          EXPECT_TRUE(at::equal(ring_out, ar_out)) << "world " << world << " chunk " << chunk << " " << dt;
+          const auto recs = c.recorder().since(mark);
+          ASSERT_EQ(recs.size(), 2u);
+          const int64_t elem = static_cast<int64_t>(c10::elementSize(dt));
+          EXPECT_EQ(recs[0].wire_op, "reduce_scatter(ring)");
+          EXPECT_EQ(recs[0].bytes, (world - 1) * chunk * elem) << "(N-1)/N of the input";
+          EXPECT_EQ(recs[1].wire_op, "all_reduce");
+          EXPECT_EQ(recs[1].bytes, world * chunk * elem) << "the whole input";
+        }
+        if (world == 2) {  // random floats: one addition per element either way
+          at::Tensor input = at::randn({world * chunk});
+          at::Tensor ring_out = at::empty({chunk}), ar_out = at::empty({chunk});
+          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+          c.reduce_scatter(ring_out, input, ReduceOp::kAvg).wait();
+          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
+          c.reduce_scatter(ar_out, input, ReduceOp::kAvg).wait();
+          EXPECT_TRUE(at::equal(ring_out, ar_out)) << "random floats, chunk " << chunk;
+        }
+      }
+      if (c.rank() == 0) std::cout << "world " << world << ": ring == all-reduce fallback\n";
+    }, fast());
+  }
+}
+
+// Several rings in flight at once (FSDP launches one per unit during backward) complete in order and each gets its
+// own result: the tags keep their messages apart.
+TEST(Collectives, RingReduceScattersInFlightTogetherKeepTheirMessagesApart) {
+  run_ranks(3, [&](Communicator& c) {
+    c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+    std::vector<at::Tensor> outs;
+    std::vector<Handle> handles;
+    for (int i = 0; i < 6; ++i) {
+      at::Tensor input = at::full({3 * (i + 1)}, static_cast<double>(100 * i + c.rank()));
+      outs.push_back(at::empty({i + 1}));
+      handles.push_back(c.reduce_scatter(outs.back(), input, ReduceOp::kSum));
+    }
+    for (auto& h : handles) h.wait();
+    for (int i = 0; i < 6; ++i)
+      EXPECT_TRUE(outs[i].eq(300.0 * i + 3).all().item<bool>()) << "reduce-scatter " << i << ": " << outs[i];
+  }, fast());
+}
+
+TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
+  EXPECT_TRUE(ring_reduce_scatter_pays(2, 4));
+  EXPECT_TRUE(ring_reduce_scatter_pays(2, 64 << 20));
+  EXPECT_FALSE(ring_reduce_scatter_pays(4, 64 << 10));
+  EXPECT_TRUE(ring_reduce_scatter_pays(4, 1 << 20));
+  run_ranks(3, [&](Communicator& c) {
+    EXPECT_EQ(c.reduce_scatter_algorithm(), ReduceScatterAlgorithm::kAuto);
+    at::Tensor small = at::ones({3 * 4}), large = at::ones({3 * (1 << 18)});
+    at::Tensor out_small = at::empty({4}), out_large = at::empty({1 << 18});
+    const size_t mark = c.recorder().size();
+    c.reduce_scatter(out_small, small).wait();
+    c.reduce_scatter(out_large, large).wait();
+    const auto recs = c.recorder().since(mark);
+    EXPECT_EQ(recs[0].wire_op, "all_reduce") << "48 bytes at 3 ranks";
+    EXPECT_EQ(recs[1].wire_op, "reduce_scatter(ring)") << "3 MiB at 3 ranks";
+    EXPECT_TRUE(out_large.eq(3).all().item<bool>());
+  }, fast());
+}
 
 TEST(Collectives, AsyncWorkOverlapsTheCallingThread) {
   // all_reduce returns before the result is there; wait() makes it visible.

@@ -197,8 +197,9 @@ fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
 
 // FSDP's traffic per step, from the layout (B units with parameters, and the root when it has any): forward
 // gathers every unit once, backward gathers the units again when they were freed (raf) and reduce-scatters every
-// unit with trainable parameters; every micro-batch gathers, only the last reduces. Bytes are what rank 0 hands to the backend: its padded shards for an all-gather,
-// the S rows of padded gradients for a reduce-scatter (Gloo: an all-reduce of the whole input, Note [Fallbacks]).
+// unit with trainable parameters; every micro-batch gathers, only the last reduces. Bytes are what rank 0 hands to
+// the backend: its padded shards for an all-gather; for a reduce-scatter, N-1 of the N rows of padded gradients on
+// CPU where the ring pays (Note [Ring reduce-scatter]) or all N (NCCL's own, Gloo's all-reduce fallback).
 Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train) {
   std::vector<std::vector<at::Tensor>> groups;
   std::set<const c10::TensorImpl*> in_unit;
@@ -225,7 +226,10 @@ Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, con
     const bool is_root = u >= blocks;
     const int gathers = (1 + (!is_root && s.reshard_after_forward ? 1 : 0)) * train.micro_batches;
     t.collectives += gathers + (grad_row > 0 ? 1 : 0);
-    t.bytes += gathers * shard * elem + world * grad_row * relem;
+    const bool ring = parse_device(train.device).is_cpu() &&
+                      ring_reduce_scatter_pays(world, static_cast<int64_t>(world * grad_row * relem));
+    const int rows_sent = ring ? world - 1 : world;
+    t.bytes += gathers * shard * elem + rows_sent * grad_row * relem;
   }
   return t;
 }

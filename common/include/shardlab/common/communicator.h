@@ -8,7 +8,8 @@
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
 /// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
-/// really sent. See Note [Fallbacks] in communicator.cpp.
+/// really sent. See Note [Fallbacks] in communicator.cpp. Gloo's missing reduce-scatter is built from c10d's
+/// point-to-point ops as a ring (Note [Ring reduce-scatter]).
 
 #include "shardlab/common/comm_record.h"
 #include "shardlab/common/compat.h"
@@ -16,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -29,6 +31,22 @@ enum class ReduceOp { kSum, kAvg };
 
 /// Which c10d backend a Communicator runs on.
 enum class BackendKind { kGloo, kNccl };
+
+/// How reduce_scatter runs where the backend has no reduce-scatter of its own (Gloo, CPU tensors).
+enum class ReduceScatterAlgorithm {
+  kAuto,       ///< the ring where it was measured faster (ring_reduce_scatter_pays), else the all-reduce
+  kRing,       ///< N-1 steps of send/recv around a ring: each rank sends (N-1)/N of the input (the lower bound)
+  kAllReduce,  ///< one all-reduce of the whole input, this rank's chunk kept: the input's size on the wire
+};
+
+/// kAuto's rule: the ring at 2 ranks (one step, half the bytes: 2-5x faster at 4 KiB-8 MiB), and from 1 MiB of
+/// input at more ranks (its N-1 sequential steps cost more than Gloo's all-reduce below that). Measured with thread
+/// ranks on 2 cores; see Note [Ring reduce-scatter] in communicator.cpp.
+bool ring_reduce_scatter_pays(int world_size, int64_t input_bytes);
+
+namespace detail {
+class SerialWorker;
+}  // namespace detail
 
 /// An asynchronous collective in flight. Move-only; waiting twice is a no-op.
 class Handle {
@@ -93,6 +111,10 @@ class Communicator {
   /// @param recorder shared log; a new one is made when null.
   Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,
                std::chrono::milliseconds timeout, std::shared_ptr<CommRecorder> recorder = nullptr);
+  /// Finishes what the ring worker has queued (each step bounded by the timeout), then stops it.
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
 
   /// This rank's index in the group, in [0, size()).
   int rank() const { return rank_; }
@@ -116,9 +138,14 @@ class Communicator {
   /// True when all_gather of tensors like `t` is the backend's own flat all-gather; false when it goes through the
   /// list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
   bool has_flat_all_gather(const at::Tensor& t) const;
-  /// True when reduce_scatter is the backend's own (NCCL); false when it is an all-reduce of the whole input
-  /// (Gloo, every line): the same result, the record shows wire_op "all_reduce".
+  /// True when reduce_scatter is the backend's own (NCCL); false when the Communicator builds it (Gloo): as a ring
+  /// of send/recv for CPU tensors (wire_op "reduce_scatter(ring)", (N-1)/N of the input sent), or as an all-reduce
+  /// of the whole input (wire_op "all_reduce"; CUDA tensors, or when reduce_scatter_algorithm() says so).
   bool has_reduce_scatter() const;
+  /// What a Gloo reduce_scatter of CPU tensors runs (kAuto by default; see Note [Ring reduce-scatter]).
+  ReduceScatterAlgorithm reduce_scatter_algorithm() const { return rs_algorithm_; }
+  /// Chooses it. Every rank of the group must choose the same, before the collectives it affects.
+  void set_reduce_scatter_algorithm(ReduceScatterAlgorithm algorithm) { rs_algorithm_ = algorithm; }
 
   /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
   Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
@@ -136,6 +163,7 @@ class Communicator {
  private:
   void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
   size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
+  Handle ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
   Handle submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
                 const char* op, bool on_cpu);
 
@@ -146,6 +174,9 @@ class Communicator {
   std::shared_ptr<CommRecorder> recorder_;
   int rank_;
   int size_;
+  ReduceScatterAlgorithm rs_algorithm_ = ReduceScatterAlgorithm::kAuto;
+  uint64_t ring_sequence_ = 0;                   // ring collectives so far: the tag of the next one
+  std::unique_ptr<detail::SerialWorker> ring_;   // runs the ring's steps off the calling thread; made on first use
 };
 
 }  // namespace shardlab
