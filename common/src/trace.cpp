@@ -54,7 +54,8 @@ Timeline::Scope::~Scope() {
 }
 
 void write_chrome_trace(const std::string& path, int rank, const std::vector<TraceSpan>& compute,
-                        const std::vector<CollectiveRecord>& collectives, const std::vector<WaitRecord>& waits) {
+                        const std::vector<CollectiveRecord>& collectives, const std::vector<WaitRecord>& waits,
+                        const std::vector<CounterSample>& counters) {
   std::ostringstream out;
   bool first = true;
   out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [";
@@ -83,6 +84,14 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<Tra
          << quoted(c10::toString(c.wire_dtype)) << ", \"numel\": " << c.numel << ", \"bytes\": " << c.bytes
          << ", \"group\": " << quoted(c.group) << ", \"reduce\": " << quoted(c.reduce);
     event(out, first, c.op, "comm", rank, static_cast<int>(2 + lane), c.start_ns, c.end_ns, args.str());
+  }
+  for (const auto& c : counters) {
+    out << (first ? "\n  " : ",\n  ") << "{\"name\": " << quoted(c.track) << ", \"ph\": \"C\", \"pid\": " << rank
+        << ", \"ts\": " << std::fixed << std::setprecision(3) << static_cast<double>(c.ns) / 1e3 << ", \"args\": {";
+    for (size_t i = 0; i < c.series.size(); ++i)
+      out << (i ? ", " : "") << quoted(c.series[i].first) << ": " << std::setprecision(0) << c.series[i].second;
+    out << "}}";
+    first = false;
   }
   out << "\n]}\n";
 

@@ -66,6 +66,22 @@ MemoryFigures replica_memory(const Model& model) {
   return m;
 }
 
+// Trace counters: FSDP's bytes held over time; nothing for the others.
+template <typename Wrapper>
+void record_counters(Wrapper&, bool) {}
+void record_counters(fsdp::FullyShardedModel& w, bool on) { w.record_memory_samples(on); }
+template <typename Wrapper>
+std::vector<CounterSample> counters_of(const Wrapper&) {
+  return {};
+}
+std::vector<CounterSample> counters_of(const fsdp::FullyShardedModel& w) {
+  std::vector<CounterSample> out;
+  for (const auto& s : w.memory_samples())
+    out.push_back({"fsdp memory", s.ns,
+                   {{"param_bytes", static_cast<double>(s.param_bytes)}, {"grad_bytes", static_cast<double>(s.grad_bytes)}}});
+  return out;
+}
+
 // Per step: FSDP measures its own buffers; the others hold a full replica.
 template <typename Wrapper>
 void begin_step_memory(Wrapper&) {}
@@ -129,6 +145,11 @@ class WrappedRunner : public StepRunner {
   std::vector<at::Tensor> full_parameters() override { return full_parameters_of(*wrapper_, *model_); }
   size_t buckets() const override { return bucket_count(*wrapper_); }
   MemoryFigures memory() const override { return memory_; }
+  void set_timeline(Timeline* timeline) override {
+    timeline_ = timeline;
+    record_counters(*wrapper_, timeline != nullptr);
+  }
+  std::vector<CounterSample> counters() const override { return counters_of(*wrapper_); }
 
  private:
   TrainConfig config_;

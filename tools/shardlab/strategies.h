@@ -37,8 +37,11 @@ class StepRunner {
   /// Parameter and gradient memory per rank: the peak over the steps so far (measured by FSDP's accounting; a
   /// replica's full size for the other strategies) beside what theory says.
   virtual MemoryFigures memory() const { return {}; }
-  /// Where step() records its forward, backward and optimizer spans (null: nowhere).
-  void set_timeline(Timeline* timeline) { timeline_ = timeline; }
+  /// Where step() records its forward, backward and optimizer spans (null: nowhere); also turns on whatever
+  /// counters the strategy keeps for the trace (FSDP: bytes held).
+  virtual void set_timeline(Timeline* timeline) { timeline_ = timeline; }
+  /// Counter samples for the trace (FSDP: parameter and gradient bytes held over time; others: none).
+  virtual std::vector<CounterSample> counters() const { return {}; }
 
  protected:
   Timeline* timeline_ = nullptr;  ///< see set_timeline

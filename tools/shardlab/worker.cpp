@@ -36,7 +36,7 @@ int run_worker(const RunOptions& options) {
   if (o.threads > 0) at::set_num_threads(o.threads);
   auto runner = strategy.make(o.train, o.strategy_options, comm.get());
   Timeline timeline;
-  runner->set_timeline(&timeline);
+  runner->set_timeline(o.trace_dir.empty() ? nullptr : &timeline);
   const size_t setup = comm ? comm->recorder().size() : 0;
   auto data = make_dataset(o.train.model, o.train.seed);
 
@@ -85,7 +85,7 @@ int run_worker(const RunOptions& options) {
   if (!o.trace_dir.empty()) {
     write_chrome_trace(o.trace_dir + "/rank" + std::to_string(rank) + ".trace.json", rank, timeline.spans(),
                        comm ? comm->recorder().snapshot() : std::vector<CollectiveRecord>{},
-                       comm ? comm->recorder().waits() : std::vector<WaitRecord>{});
+                       comm ? comm->recorder().waits() : std::vector<WaitRecord>{}, runner->counters());
   }
   std::ofstream params(prefix + ".params", std::ios::binary);
   for (const auto& p : runner->full_parameters()) {

@@ -1,5 +1,7 @@
 #include "shardlab/fsdp/memory.h"
 
+#include "shardlab/common/comm_record.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -14,6 +16,12 @@ void MemoryMeter::allocate(MemoryKind kind, int64_t bytes) {
     stats_.grad_bytes += bytes;
     stats_.peak_grad_bytes = std::max(stats_.peak_grad_bytes, stats_.grad_bytes);
   }
+  sample();
+}
+
+void MemoryMeter::sample() {
+  if (recording_ && samples_.size() < kMaxSamples)
+    samples_.push_back({now_ns(), stats_.param_bytes, stats_.grad_bytes});
 }
 
 void MemoryMeter::release(MemoryKind kind, int64_t bytes) {
@@ -23,6 +31,7 @@ void MemoryMeter::release(MemoryKind kind, int64_t bytes) {
                            (kind == MemoryKind::kParams ? "parameters" : "gradients") + " while only " +
                            std::to_string(held) + " are held (an accounting bug in the FSDP layer)");
   held -= bytes;
+  sample();
 }
 
 void MemoryMeter::reset_peaks() {

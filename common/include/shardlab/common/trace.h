@@ -7,6 +7,7 @@
 ///    communication (WaitRecord) nested inside them — a wait is communication that nothing hid.
 ///  - tid 2, 3, … "comm k": every collective from the CommRecorder, from submission to completion. Collectives that
 ///    overlap in time go to different lanes, so each lane's spans never overlap.
+///  - counter tracks ("ph": "C"): values over time, e.g. the bytes FSDP holds (one series per kind).
 /// Timestamps are steady-clock microseconds, the same clock in every process of one machine, so the files of all
 /// ranks line up when loaded together.
 
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab {
@@ -24,6 +26,13 @@ struct TraceSpan {
   int64_t start_ns = 0;  ///< steady_clock (now_ns) start
   int64_t end_ns = 0;    ///< steady_clock end
   int step = -1;         ///< training step it belongs to (-1: none), written into the span's args
+};
+
+/// One point of a counter track: from `ns` on, each series of `track` has the value given (until the next point).
+struct CounterSample {
+  std::string track;                                   ///< the counter's name, e.g. "memory"
+  int64_t ns = 0;                                      ///< steady_clock (now_ns) time
+  std::vector<std::pair<std::string, double>> series;  ///< e.g. {{"param_bytes", 1024}, {"grad_bytes", 0}}
 };
 
 /// Collects the compute spans of one rank, in the order they end.
@@ -59,8 +68,10 @@ class Timeline {
 /// @param compute spans of the training thread.
 /// @param collectives every collective to show (e.g. CommRecorder::snapshot()); pending ones (end 0) are skipped.
 /// @param waits the waits for communication (CommRecorder::waits()).
+/// @param counters counter samples, in time order (may be empty).
 /// @throws std::runtime_error when the file cannot be written.
 void write_chrome_trace(const std::string& path, int rank, const std::vector<TraceSpan>& compute,
-                        const std::vector<CollectiveRecord>& collectives, const std::vector<WaitRecord>& waits);
+                        const std::vector<CollectiveRecord>& collectives, const std::vector<WaitRecord>& waits,
+                        const std::vector<CounterSample>& counters = {});
 
 }  // namespace shardlab

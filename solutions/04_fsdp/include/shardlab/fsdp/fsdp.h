@@ -125,6 +125,10 @@ class FullyShardedModel {
   void reset_memory_peaks() { meter_.reset_peaks(); }
   /// What the peaks should be for this layout and these options.
   MemoryTheory memory_theory() const;
+  /// Keeps a sample of the bytes held at every allocation and free from now on (for timelines; off by default).
+  void record_memory_samples(bool on) { meter_.record_samples(on); }
+  /// The samples kept so far.
+  const std::vector<MemorySample>& memory_samples() const { return meter_.samples(); }
 
  private:
   bool raf(size_t u) const;

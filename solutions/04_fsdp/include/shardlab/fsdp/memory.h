@@ -4,7 +4,9 @@
 /// step is *measured* (what was really held), not computed from a formula. The formula (MemoryTheory) is printed
 /// beside it.
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace shardlab::fsdp {
 
@@ -22,9 +24,23 @@ struct MemoryStats {
   int64_t peak_grad_bytes = 0;   ///< most held at once since the last reset_peaks()
 };
 
+/// What was held right after one allocation or free.
+struct MemorySample {
+  int64_t ns = 0;           ///< steady_clock time (now_ns)
+  int64_t param_bytes = 0;  ///< parameter bytes held from then on
+  int64_t grad_bytes = 0;   ///< gradient bytes held from then on
+};
+
 /// Counts allocations and frees. One per rank; used from the training (and backward) thread only.
 class MemoryMeter {
  public:
+  /// Starts (or stops) keeping a MemorySample per allocation and free, for timelines (off by default; at most
+  /// kMaxSamples are kept).
+  void record_samples(bool on) { recording_ = on; }
+  /// The samples kept so far, in time order.
+  const std::vector<MemorySample>& samples() const { return samples_; }
+  /// Most samples kept.
+  static constexpr size_t kMaxSamples = 1 << 20;
   /// `bytes` more of `kind` are held.
   void allocate(MemoryKind kind, int64_t bytes);
   /// `bytes` of `kind` were freed. @throws std::logic_error when more is freed than is held (an accounting bug).
@@ -35,7 +51,11 @@ class MemoryMeter {
   void reset_peaks();
 
  private:
+  void sample();
+
   MemoryStats stats_;
+  bool recording_ = false;
+  std::vector<MemorySample> samples_;
 };
 
 }  // namespace shardlab::fsdp
