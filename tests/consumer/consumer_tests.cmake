@@ -12,4 +12,4 @@ add_test(NAME package_consumer_build
           --test-command ${_build}/shardlab_consumer)
 set_tests_properties(package_install PROPERTIES LABELS package TIMEOUT 120 FIXTURES_SETUP shardlab_installed)
 set_tests_properties(package_consumer_build PROPERTIES LABELS package TIMEOUT 300
-  FIXTURES_REQUIRED shardlab_installed PASS_REGULAR_EXPRESSION "consumer: 2 ranks trained")
+  FIXTURES_REQUIRED shardlab_installed PASS_REGULAR_EXPRESSION "consumer: ok")

@@ -175,6 +175,8 @@ TEST(FsdpUnit, MissingGradientsCountAsZeroAndAreNamed) {
 TEST(FsdpUnit, RejectsWhatItCannotShardNamingTheParameter) {
   run_ranks(1, [&](Communicator& comm) {
     MemoryMeter meter;
+    FsdpUnit good("good", {{"w", at::ones({3, 2}).requires_grad_()}}, comm, {}, rs_hook(comm), meter);
+    EXPECT_EQ(good.params().front().sharded.sizes(), (c10::IntArrayRef{3, 2})) << "one rank holds every row";
     auto expect_error = [&](std::vector<std::pair<std::string, at::Tensor>> params, const std::string& needle) {
       try {
         FsdpUnit unit("bad", params, comm, {}, rs_hook(comm), meter);
