@@ -85,6 +85,8 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   }
   accumulated_.resize(params_.size());
   counted_grad_.assign(params_.size(), 0);
+  sharded_grad_storage_.assign(params_.size(), nullptr);
+  sharded_grad_bytes_.assign(params_.size(), 0);
 
   torch::NoGradGuard no_grad;
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
@@ -156,6 +158,20 @@ void FsdpUnit::reshard() {
   meter_.release(MemoryKind::kParams, gathered_capacity_bytes());
 }
 
+void FsdpUnit::count_sharded_gradients() {
+  // The optimizer may have dropped a sharded gradient (libtorch 2.x zero_grad sets them to None) and we made a new
+  // one: count what is held now, by the storage each gradient really has.
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const at::Tensor& g = params_[k].sharded.grad();
+    const c10::StorageImpl* storage = g.defined() ? g.storage().unsafeGetStorageImpl() : nullptr;
+    if (storage == sharded_grad_storage_[k]) continue;
+    meter_.release(MemoryKind::kGrads, sharded_grad_bytes_[k]);
+    sharded_grad_storage_[k] = storage;
+    sharded_grad_bytes_[k] = bytes_of(g);
+    meter_.allocate(MemoryKind::kGrads, sharded_grad_bytes_[k]);
+  }
+}
+
 void FsdpUnit::note_gradient(size_t k) {
   const at::Tensor& g = params_.at(k).param.grad();
   if (counted_grad_[k] != 0 || !g.defined()) return;
@@ -199,6 +215,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
     torch::NoGradGuard no_grad;
     // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
     throw std::logic_error("not implemented: stage 04 — this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
+    count_sharded_gradients();
     meter_.release(MemoryKind::kGrads, transient);
   });
 }

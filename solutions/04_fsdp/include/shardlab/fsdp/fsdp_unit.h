@@ -133,6 +133,7 @@ class FsdpUnit {
  private:
   void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
   void release_gradient(size_t k);
+  void count_sharded_gradients();
 
   std::string name_;
   Communicator& comm_;
@@ -150,6 +151,8 @@ class FsdpUnit {
   Handle all_gather_;             // pending while unsharding
   std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
   std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
+  std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
+  std::vector<int64_t> sharded_grad_bytes_;                     // ... and its bytes
   UnitState state_ = UnitState::kSharded;
 };
 
