@@ -135,7 +135,7 @@ def parse_args(argv):
     g.add_argument("--block", type=int, default=32, help="context length (default 32)")
     g.add_argument("--dim", type=int, default=32, help="embedding width (default 32)")
     g.add_argument("--heads", type=int, default=2, help="attention heads (default 2)")
-    g.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    g.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4, as shardlab)")
     a = p.parse_args(argv)
     if a.vocab is None:
         a.vocab = corpus_vocab_size()

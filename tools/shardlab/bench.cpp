@@ -98,7 +98,8 @@ TorchResult run_torch(const BenchOptions& b) {
                                 "--global-batch", std::to_string(o.train.global_batch),
                                 "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
                                 "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
-                                "--threads", std::to_string(o.threads > 0 ? o.threads : 1), "--json", json};
+                                "--threads", std::to_string(o.threads > 0 ? o.threads : 1),
+                                "--layers", std::to_string(o.train.layers), "--json", json};
   LaunchOptions lo;
   lo.nproc = o.world_size;
   lo.timeout = std::chrono::seconds(o.timeout_s);
