@@ -42,6 +42,8 @@ class GradientReadiness {
 
   /// Installs one post-accumulate hook per parameter.
   /// @param params leaves that require grad; their order defines the indices passed to `ready`.
+  /// @param ready called after each accumulation into params[i].grad(), with i.
+  /// @param end_of_backward called once at the end of a backward in which expect_end_of_backward() was called.
   /// @throws std::invalid_argument naming the index of a tensor that is not a leaf requiring grad.
   GradientReadiness(const std::vector<at::Tensor>& params, Ready ready, EndOfBackward end_of_backward);
   ~GradientReadiness();

@@ -65,6 +65,9 @@ struct FsdpParam {
 class FsdpUnit {
  public:
   /// Shards `params` (name, registered tensor) over `comm`.
+  /// @param name the unit's name, for errors and reports.
+  /// @param params (the model's name, the registered tensor) of every parameter of the unit, each once.
+  /// @param comm the shard group; every rank of it constructs the same unit.
   /// @param policy mixed precision; resolved per unit with resolve_dtypes.
   /// @param hook stage 03's reduce-scatter-form hook the gradients go through (fp32 average, fp16, bf16).
   /// @param meter counts every buffer the unit allocates and frees.
