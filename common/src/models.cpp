@@ -163,11 +163,14 @@ std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
   throw std::invalid_argument("unknown model '" + name + "'; expected one of: mlp, tiny_gpt, edge");
 }
 
-std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device) {
+std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device, int64_t dim) {
   if (layers < 1) throw std::invalid_argument("tiny_gpt: expected at least 1 layer; got " + std::to_string(layers));
+  if (dim < 2 || dim % 2 != 0)
+    throw std::invalid_argument("tiny_gpt: expected an even width >= 2 (2 heads); got " + std::to_string(dim));
   GptConfig c;
   c.vocab = static_cast<int64_t>(corpus_vocab().size());
   c.layers = layers;
+  c.dim = dim;
   auto model = std::make_shared<TinyGpt>(c, seed);
   model->to(device);
   return model;

@@ -35,7 +35,7 @@ c10::Device device_of(const TrainConfig& config) {
 }
 
 std::shared_ptr<Model> make_model(const TrainConfig& config, const c10::Device& device) {
-  if (config.model == "tiny_gpt") return make_tiny_gpt(config.layers, config.seed, device);
+  if (config.model == "tiny_gpt") return make_tiny_gpt(config.layers, config.seed, device, config.dim);
   return make_model(config.model, config.seed, device);
 }
 

@@ -32,7 +32,9 @@ namespace fs = std::filesystem;
 const std::vector<std::string> kStrategies{"naive_ddp", "bucketed_ddp", "hook_allreduce", "hook_fp16", "hook_bf16"};
 
 struct BenchOptions {
-  RunOptions run;
+  RunOptions run;                                // the DDP section
+  FsdpBenchOptions fsdp;                         // the FSDP section
+  bool ddp_section = true, fsdp_section = true;  // --section ddp|fsdp|all
   std::string out;                               // PREFIX for PREFIX.json / PREFIX.md ("" = print only)
   std::string python = "/usr/bin/python3";       // Debian's python3-torch lives there
   std::string torch_script = SHARDLAB_TORCH_DDP_SCRIPT;
@@ -47,6 +49,13 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
   // when backward is over): 16 KiB first, 32 KiB then, about 4 buckets. PyTorch DDP gets the same caps.
   std::vector<std::string> rest{"--model", "tiny_gpt", "--world-size", "2", "--steps", "60", "--global-batch", "16",
                                 "--threads", "1", "--first-bucket-kb", "16", "--bucket-cap-kb", "32"};
+  // The FSDP section's: the same tiny GPT made about 1M parameters wide (4 blocks of width 128: 800k), so that
+  // communication is not all latency; 20 steps.
+  std::vector<std::string> fsdp_rest{"--model", "tiny_gpt", "--world-size", "2", "--steps", "20", "--global-batch",
+                                     "16", "--threads", "1", "--dim", "128", "--layers", "4"};
+  const char* root_env = std::getenv("SHARDLAB_TRIXIE_ROOT");
+  b.fsdp.torch_root = root_env && *root_env ? root_env : "/var/cache/shardlab/trixie";
+  b.fsdp.scripts_dir = fs::path(b.torch_script).parent_path().string();
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&]() -> const std::string& {
@@ -57,6 +66,14 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
     else if (a == "--python") b.python = value();
     else if (a == "--torch-script") b.torch_script = value();
     else if (a == "--no-torch") b.torch = false;
+    else if (a == "--torch-root") b.fsdp.torch_root = value();
+    else if (a == "--section") {
+      const std::string& v = value();
+      if (v != "ddp" && v != "fsdp" && v != "all")
+        throw std::invalid_argument("--section expects one of ddp|fsdp|all; got '" + v + "'");
+      b.ddp_section = v != "fsdp";
+      b.fsdp_section = v != "ddp";
+    }
     else if (a == "--repeat") {
       const std::string& v = value();
       b.repeat = std::atoi(v.c_str());
@@ -64,9 +81,13 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
         throw std::invalid_argument("--repeat expects an integer in [1, 20]; got '" + v + "'");
     } else {
       rest.push_back(a);
+      fsdp_rest.push_back(a);
     }
   }
   b.run = parse_options(rest, /*allow_strategy=*/false);
+  b.fsdp.run = parse_options(fsdp_rest, /*allow_strategy=*/false);
+  b.fsdp.repeat = b.repeat;
+  b.fsdp.torch = b.torch;
   return b;
 }
 
@@ -78,11 +99,15 @@ struct TorchResult {
   std::string version;
 };
 
+}  // namespace
+
 double json_number(const std::string& text, const std::string& key) {
   std::smatch m;
   if (std::regex_search(text, m, std::regex("\"" + key + "\"\\s*:\\s*([-0-9.eE+]+)"))) return std::stod(m[1]);
   return NAN;
 }
+
+namespace {
 
 TorchResult run_torch(const BenchOptions& b) {
   TorchResult t;
@@ -99,7 +124,8 @@ TorchResult run_torch(const BenchOptions& b) {
                                 "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
                                 "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
                                 "--threads", std::to_string(o.threads > 0 ? o.threads : 1),
-                                "--layers", std::to_string(o.train.layers), "--json", json};
+                                "--layers", std::to_string(o.train.layers), "--dim", std::to_string(o.train.dim),
+                                "--json", json};
   LaunchOptions lo;
   lo.nproc = o.world_size;
   lo.timeout = std::chrono::seconds(o.timeout_s);
@@ -134,8 +160,41 @@ std::string fmt(double v, int precision) {
 
 }  // namespace
 
+namespace {
+void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::string* md_out, std::string* json_out);
+}  // namespace
+
 int run_bench(const std::vector<std::string>& args, const std::string& self_exe) {
   const BenchOptions b = parse_bench(args);
+  std::string ddp_md, ddp_json, fsdp_md, fsdp_json;
+  if (b.ddp_section) run_ddp_bench(b, self_exe, &ddp_md, &ddp_json);
+  if (b.fsdp_section) {
+    const FsdpBenchResult f = run_fsdp_bench(b.fsdp, self_exe);
+    std::cout << "\nshardlab bench, FSDP: " << f.heading << "\n\n" << f.markdown << "\n" << f.targets;
+    fsdp_md = "## FSDP beside PyTorch FSDP2\n\n" + f.heading + ".\n\n" + f.markdown + "\nTargets:\n\n" + f.targets +
+              "\n*Sent bytes* are what each rank sends per step under ring algorithms (an all-gather sends N-1 of its N "
+              "chunks, shardlab's ring reduce-scatter N-1 of N rows, an all-reduce twice that), against the lower bound "
+              "3(N-1)/N x 4 bytes x parameters for FSDP with resharding after forward (2(N-1)/N without, and for DDP). "
+              "*Peak* memory is measured by FSDP's accounting against the layout's theory.\n";
+    fsdp_json = f.json;
+  }
+  if (!b.out.empty()) {
+    write_file_atomically(b.out + ".md", "# Benchmark: shardlab beside PyTorch\n\nGenerated by `shardlab bench --out " +
+                                             b.out + "` (see README). Machine: " +
+                                             std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) + " CPU cores.\n\n" +
+                                             ddp_md + (ddp_md.empty() || fsdp_md.empty() ? "" : "\n") + fsdp_md);
+    write_file_atomically(b.out + ".json", "{\n  \"ddp\": " + (ddp_json.empty() ? std::string("null") : ddp_json) +
+                                               ",\n  \"fsdp\": " + (fsdp_json.empty() ? std::string("null") : fsdp_json) +
+                                               "\n}\n");
+    std::cout << "\nwrote " << b.out << ".md and " << b.out << ".json\n";
+  }
+  return 0;
+}
+
+namespace {
+
+// The DDP section: every DDP strategy beside PyTorch DDP; its markdown and JSON go to *md and *json.
+void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::string* md_out, std::string* json_out) {
   const auto& o = b.run;
   // Rounds: every strategy and PyTorch once per round, interleaved, so a slow spell of this (shared, 2-core)
   // machine hits every contender alike; each figure is the best median of the rounds.
@@ -214,28 +273,21 @@ int run_bench(const std::vector<std::string>& args, const std::string& self_exe)
        << "bucket caps " << o.strategy_options.first_bucket_cap_bytes / 1024 << " KiB first, "
        << o.strategy_options.bucket_cap_bytes / 1024 << " KiB then; each figure is the best median step time of "
        << b.repeat << " interleaved rounds";
-  std::cout << "\nshardlab bench: " << head.str() << "\n\n" << md.str() << "\n" << targets.str();
-
-  if (!b.out.empty()) {
-    std::ostringstream doc;
-    doc << "# Benchmark: shardlab's DDP strategies beside PyTorch DDP\n\nGenerated by `shardlab bench --out "
-        << b.out << "` (see README). " << head.str() << ". Machine: " << sysconf(_SC_NPROCESSORS_ONLN)
-        << " CPU cores.\n\n" << md.str() << "\nTargets:\n\n" << targets.str()
-        << "\n*Exposed* communication is the time the training thread waited for collectives at the end of "
-           "backward (nothing hid it), as a share of the time any collective was in flight. Step times are medians "
-           "over the steps of one run (the first steps included).\n";
-    write_file_atomically(b.out + ".md", doc.str());
-    // JSON: the per-strategy reports plus the PyTorch figure.
-    std::ostringstream json;
-    json.precision(17);
-    json << "{\n  \"pytorch_ddp\": {\"ok\": " << (torch.ok ? "true" : "false") << ", \"median_step_ms\": "
-         << (torch.ok ? torch.step_ms : 0.0) << ", \"torch_version\": \"" << torch.version << "\"},\n"
-         << "  \"repeat\": " << b.repeat << ",\n  \"threads\": " << o.threads << ",\n  \"strategies\": " << reports_json(rows, true)
-         << "}\n";
-    write_file_atomically(b.out + ".json", json.str());
-    std::cout << "\nwrote " << b.out << ".md and " << b.out << ".json\n";
-  }
-  return 0;
+  std::cout << "\nshardlab bench, DDP: " << head.str() << "\n\n" << md.str() << "\n" << targets.str();
+  *md_out = "## DDP beside PyTorch DDP\n\n" + head.str() + ". Machine: " + blas_in("") + " on the host.\n\n" + md.str() +
+            "\nTargets:\n\n" + targets.str() +
+            "\n*Exposed* communication is the time the training thread waited for collectives at the end of "
+            "backward (nothing hid it), as a share of the time any collective was in flight. Step times are medians "
+            "over the steps of one run (the first steps included).\n";
+  std::ostringstream json;
+  json.precision(17);
+  json << "{\n  \"pytorch_ddp\": {\"ok\": " << (torch.ok ? "true" : "false") << ", \"median_step_ms\": "
+       << (torch.ok ? torch.step_ms : 0.0) << ", \"torch_version\": \"" << torch.version << "\"},\n"
+       << "  \"repeat\": " << b.repeat << ",\n  \"threads\": " << o.threads << ",\n  \"strategies\": "
+       << reports_json(rows, true) << "}";
+  *json_out = json.str();
 }
+
+}  // namespace
 
 }  // namespace shardlab::cli

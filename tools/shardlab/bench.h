@@ -2,10 +2,39 @@
 // `shardlab bench`: every DDP strategy of the course and PyTorch's own DDP on the same model, world size, batch
 // and steps, side by side in one run, with the ratios. Figures, not assertions: nothing here is a test.
 
+#include "options.h"
+
 #include <string>
 #include <vector>
 
 namespace shardlab::cli {
+
+/// The FSDP section of the benchmark: what to run.
+struct FsdpBenchOptions {
+  RunOptions run;           ///< model shape, world size, batch, steps, threads (strategy set per row)
+  int repeat = 3;           ///< interleaved rounds; each figure is the best median
+  bool torch = true;        ///< false: no PyTorch FSDP2 peer
+  std::string torch_root;   ///< Debian trixie root with python3-torch (tools/bench/make-torch-root)
+  std::string scripts_dir;  ///< where torch_fsdp.py and torch_ddp.py are
+};
+
+/// The FSDP section's outputs, for the terminal and for PREFIX.md / PREFIX.json.
+struct FsdpBenchResult {
+  std::string heading;   ///< what ran, on which BLAS
+  std::string markdown;  ///< the table
+  std::string targets;   ///< one line per target: met, or missed by how much and why
+  std::string json;      ///< the reports and the peer's figures (a JSON object)
+};
+
+/// Runs shardlab's FSDP (reshard after forward and kept) and bucketed DDP, and PyTorch FSDP2 when its root is
+/// there, in interleaved rounds. @throws std::runtime_error when a shardlab run fails (a peer failure is reported).
+FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& options, const std::string& self_exe);
+
+/// The BLAS that libblas.so.3 resolves to inside `root` ("" = this machine): "OpenBLAS", "reference BLAS (netlib)"...
+std::string blas_in(const std::string& root);
+
+/// The number after `"key":` in a JSON text (NaN when absent). Enough for the peers' flat result files.
+double json_number(const std::string& text, const std::string& key);
 
 /// Body of `shardlab bench ARGS`: prints the table; with --out PREFIX also writes PREFIX.json and PREFIX.md.
 /// @throws std::invalid_argument on a bad flag.

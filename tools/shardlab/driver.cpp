@@ -119,6 +119,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.world_size = o.world_size;
   r.train = o.train;
   r.trace_dir = o.trace_dir;
+  r.reshard_after_forward = o.strategy_options.reshard_after_forward;
   r.backend = strategy.distributed ? o.backend : "none";
   const ReferenceResult ref = train_reference(o.train);
   r.reference_losses = ref.losses;
@@ -142,6 +143,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.setup_collectives = text["setup_collectives"].empty() ? 0 : text["setup_collectives"][0];
       r.collectives_per_step = text["collectives"].empty() ? 0 : text["collectives"][0] / o.train.steps;
       r.bytes_per_step = text["bytes"].empty() ? 0 : text["bytes"][0] / o.train.steps;
+      r.sent_bytes_per_step = text["sent_bytes"].empty() ? 0 : text["sent_bytes"][0] / o.train.steps;
       r.buckets = text["buckets"].empty() ? 0 : text["buckets"][0];
       r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / o.train.steps;
       r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / o.train.steps;
@@ -257,11 +259,14 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"setup_collectives\": " << r.setup_collectives << ",\n"
       << pad << "  \"bytes_per_step\": " << r.bytes_per_step << ",\n"
       << pad << "  \"bytes_per_step_theory\": " << r.bytes_per_step_theory << ",\n"
+      << pad << "  \"sent_bytes_per_step\": " << r.sent_bytes_per_step << ",\n"
       << pad << "  \"step_time_ms\": " << r.step_time_ms << ",\n"
       << pad << "  \"buckets\": " << r.buckets << ",\n"
       << pad << "  \"comm_busy_ms_per_step\": " << r.comm_busy_ms_per_step << ",\n"
       << pad << "  \"exposed_comm_ms_per_step\": " << r.exposed_comm_ms_per_step << ",\n"
       << pad << "  \"layers\": " << r.train.layers << ",\n"
+      << pad << "  \"reshard_after_forward\": " << (r.reshard_after_forward ? "true" : "false") << ",\n"
+      << pad << "  \"dim\": " << r.train.dim << ",\n"
       << pad << "  \"peak_param_bytes\": " << r.peak_param_bytes << ",\n"
       << pad << "  \"peak_param_bytes_theory\": " << r.peak_param_bytes_theory << ",\n"
       << pad << "  \"peak_grad_bytes\": " << r.peak_grad_bytes << ",\n"

@@ -83,6 +83,7 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     else if (flag == "--device") o.train.device = parse_device(v).str();
     else if (flag == "--backend") o.backend = one_of(flag, v, {"gloo", "nccl"});
     else if (flag == "--layers") o.train.layers = parse_int(flag, v, 1, 64);
+    else if (flag == "--dim") o.train.dim = parse_int(flag, v, 2, 4096);
     else if (flag == "--reshard-after-forward")
       o.strategy_options.reshard_after_forward = one_of(flag, v, {"true", "false"}) == "true";
     else if (flag == "--param-dtype") o.strategy_options.param_dtype = one_of(flag, v, dtype_names());
@@ -101,6 +102,9 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
   if (o.backend == "nccl" && parse_device(o.train.device).has_index() && world > 1)
     throw std::invalid_argument("--backend nccl needs one GPU per rank; got --device " + o.train.device + " for " +
                                 std::to_string(world) + " ranks (use --device cuda: rank r on GPU r)");
+  if (o.train.dim % 2 != 0)
+    throw std::invalid_argument("--dim expects an even width (tiny_gpt has 2 heads); got " +
+                                std::to_string(o.train.dim));
   if (o.train.global_batch % (static_cast<int64_t>(world) * o.train.micro_batches) != 0)
     throw std::invalid_argument("--global-batch " + std::to_string(o.train.global_batch) +
                                 " must divide by world size x micro-batches = " +
@@ -128,6 +132,7 @@ std::vector<std::string> to_args(const RunOptions& o) {
           "--device",        o.train.device,
           "--backend",       o.backend,
           "--layers",        std::to_string(o.train.layers),
+          "--dim",           std::to_string(o.train.dim),
           "--reshard-after-forward", o.strategy_options.reshard_after_forward ? "true" : "false"};
   for (const auto& [flag, value] : {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
                                     {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {
@@ -154,6 +159,7 @@ std::string usage() {
          "  --world-size N      ranks (processes)                      default 2\n"
          "  --model M           mlp|tiny_gpt|edge                      default mlp\n"
          "  --layers N          transformer blocks of tiny_gpt         default 4\n"
+         "  --dim D             width of tiny_gpt (even)               default 32\n"
          "  --steps K           optimizer steps                        default 10\n"
          "  --global-batch B    examples per step over all ranks       default 16\n"
          "  --seed S            model and data seed                    default 1\n"

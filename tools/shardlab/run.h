@@ -21,6 +21,7 @@ struct RunReport {
   double bytes_per_step = 0;             ///< payload bytes rank 0 handed to the backend per step
   double collectives_per_step_theory = 0;
   double bytes_per_step_theory = 0;
+  double sent_bytes_per_step = 0;        ///< rank 0: bytes sent per step under ring algorithms (see worker.cpp)
   double setup_collectives = 0;          ///< collectives at construction (broadcast of the initial state)
   double step_time_ms = 0;               ///< median over steps, rank 0
   double buckets = 0;                    ///< gradient buckets (0: strategy without buckets)
@@ -30,6 +31,7 @@ struct RunReport {
   double peak_param_bytes_theory = 0;    ///< what theory says for the same layout
   double peak_grad_bytes = 0;            ///< rank 0: most gradient bytes held at once (FSDP: measured)
   double peak_grad_bytes_theory = 0;     ///< what theory says
+  bool reshard_after_forward = true;     ///< FSDP: the units' setting
   std::string trace_dir;                 ///< where the Chrome traces went ("" = none)
   std::string backend;                   ///< "gloo", "nccl", or "none" (single device)
 };

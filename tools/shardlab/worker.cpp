@@ -14,6 +14,22 @@
 #include <iostream>
 
 namespace shardlab::cli {
+namespace {
+
+// Bytes this rank sends for collective `r` under the ring algorithms (the lower bounds: all-gather and
+// reduce-scatter (N-1)/N of the whole tensor, all-reduce twice that), from the payload the record holds: an
+// all-gather's input is one of N chunks; the ring reduce-scatter records what it sent; an all-reduce (also the
+// reduce-scatter fallback) and a native reduce-scatter record their whole input.
+double sent_bytes(const CollectiveRecord& r, int world) {
+  const double n = world, bytes = static_cast<double>(r.bytes);
+  if (r.wire_op.rfind("all_gather", 0) == 0) return (n - 1) * bytes;
+  if (r.wire_op == "reduce_scatter(ring)") return bytes;
+  if (r.wire_op == "reduce_scatter") return (n - 1) / n * bytes;
+  if (r.wire_op == "all_reduce") return 2 * (n - 1) / n * bytes;
+  return 0;  // barrier
+}
+
+}  // namespace
 
 int run_worker(const RunOptions& options) {
   RunOptions o = options;
@@ -61,7 +77,7 @@ int run_worker(const RunOptions& options) {
   out << "\nstep_ms";
   for (double t : step_ms) out << ' ' << t;
   // Broadcasts after construction (stage 02's one-time bucket rebuild) count as setup, not as per-step traffic.
-  double collectives = 0, bytes = 0, setup_collectives = static_cast<double>(setup);
+  double collectives = 0, bytes = 0, sent = 0, setup_collectives = static_cast<double>(setup);
   CommTime comm_ns;
   if (comm) {
     const auto records = comm->recorder().since(setup);
@@ -72,11 +88,12 @@ int run_worker(const RunOptions& options) {
       }
       collectives += 1;
       bytes += static_cast<double>(r.bytes);
+      sent += sent_bytes(r, world);
     }
     comm_ns = comm_time(records, comm->recorder().waits(), first_step_ns, last_step_ns);
   }
   out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
-      << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms " << comm_ns.exposed_ns / 1e6
+      << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms " << comm_ns.exposed_ns / 1e6
       << "\nbuckets " << runner->buckets() << "\n";
   const MemoryFigures mem = runner->memory();
   out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory

@@ -41,7 +41,7 @@ std::vector<int64_t> ShardSpec::shard_sizes(int rank) const {
 
 void copy_in_shard(const ShardSpec& spec, const at::Tensor& full, int rank, const at::Tensor& padded) {
   if (full.sizes() != c10::IntArrayRef(spec.sizes))
-    throw std::invalid_argument("copy_in_shard: expected a full tensor of sizes " + c10::str(spec.sizes) + "; got " +
+    throw std::invalid_argument("copy_in_shard: expected a full tensor of sizes " + c10::str(c10::IntArrayRef(spec.sizes)) + "; got " +
                                 c10::str(full.sizes()));
   if (padded.numel() != spec.padded_numel() || !padded.is_contiguous())
     throw std::invalid_argument("copy_in_shard: expected a contiguous padded shard of " +

@@ -124,9 +124,14 @@ const std::vector<std::string>& model_names();
 /// Transformer blocks of "tiny_gpt" when nothing else is asked for (each block is one unit).
 constexpr int64_t kDefaultGptLayers = 4;
 
-/// Builds "tiny_gpt" with `layers` blocks (>= 1) from `seed`, on `device` (initialized on CPU, then moved).
-/// @throws std::invalid_argument when layers < 1.
-std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device);
+/// Width of "tiny_gpt" when nothing else is asked for.
+constexpr int64_t kDefaultGptDim = 32;
+
+/// Builds "tiny_gpt" with `layers` blocks (>= 1) of width `dim` (even: 2 heads) from `seed`, on `device`
+/// (initialized on CPU, then moved).
+/// @throws std::invalid_argument when layers < 1 or dim is not a positive multiple of 2.
+std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device,
+                                     int64_t dim = kDefaultGptDim);
 
 /// Builds model `name` with parameters drawn from `seed`.
 /// @throws std::invalid_argument naming the accepted models if `name` is unknown.

@@ -24,6 +24,7 @@ struct TrainConfig {
   int micro_batches = 1;           ///< gradient-accumulation micro-batches per step (per rank)
   std::string device = "cpu";      ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
   int64_t layers = kDefaultGptLayers;  ///< transformer blocks of "tiny_gpt" (the other models ignore it)
+  int64_t dim = kDefaultGptDim;        ///< width of "tiny_gpt" (the other models ignore it)
 };
 
 /// Model `config.model` from `config.seed` (tiny_gpt with `config.layers` blocks), initialized on CPU and moved

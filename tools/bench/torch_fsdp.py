@@ -1,0 +1,196 @@
+#!/usr/bin/python3
+"""PyTorch FSDP2 (`fully_shard`) on CPU with Gloo: the peer of shardlab's stage 04 in `shardlab bench`.
+
+Trains shardlab's tiny_gpt shape (the Python copy in torch_ddp.py, beside this file) with FSDP2: every block is
+sharded on its own (`fully_shard(block)`), then the root (embeddings, final norm, tied output), as torchtitan does;
+reshard_after_forward as asked for the blocks, the root keeps its parameters (FSDP2's default). SGD with momentum,
+as shardlab's benchmark. Every optimizer step is timed, and the bytes FSDP2 hands to Gloo are counted.
+
+It needs torch >= 2.6 (FSDP2 on CPU): Debian trixie's python3-torch, run inside a trixie root (`shardlab bench`
+does that; see tools/bench/make-torch-root). Run it as N ranks with torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT); rank 0 writes --json.
+
+torch 2.6 on CPU needs four things FSDP2 does not do by itself (facts from ../shared/peers/README.md, checked there
+on this machine kind; written here anew):
+ 1. Debian's 2.6 is built without libuv, while its TCPStore asks for it by default: USE_LIBUV=0.
+ 2. FSDP2 records and waits for events on the current stream; torch.cpu.Stream gains those methods only in 2.7:
+    no-ops here, which is what 2.7 added.
+ 3. With reshard_after_forward the backward's all-gather copies into the very tensors forward saved, and on CPU that
+    bumps their version counters: backward then fails ("modified by an inplace operation"). The values written are
+    the ones saved, so the counters are put back after each copy-out.
+ 4. FSDP2 averages fp32/bf16 gradients with ReduceOp.AVG, which Gloo 2.6's reduce_scatter_tensor silently treats as
+    SUM (gradients N times too large; PyTorch issue #162338). For Gloo groups FSDP2's own pre-divide + SUM +
+    post-divide path is used instead (the same factors as shardlab's hooks).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+os.environ.setdefault("USE_LIBUV", "0")  # 1.
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_ddp  # noqa: E402  (TinyGpt and the batches: the same model shape and data as the DDP baseline)
+
+
+def make_fsdp2_work_on_cpu():
+    """Applies fixes 2-4 of the module docstring; each only where the running torch needs it."""
+    stream = torch.cpu.Stream
+    if not hasattr(stream, "record_event"):  # 2.
+        stream.record_event = lambda self, event=None: torch.cpu.Event()
+        stream.wait_event = lambda self, event: None
+
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    copy_out = param_group.foreach_all_gather_copy_out  # 3.
+
+    def copy_out_keeping_versions(result, fsdp_params, group):
+        before = []
+        for p in fsdp_params:
+            for t in getattr(p, "all_gather_outputs", []):
+                if t.device.type == "cpu":
+                    before.append((t, t._version))
+        copy_out(result, fsdp_params, group)
+        for t, version in before:
+            torch._C._autograd._unsafe_set_version_counter(t, version)
+
+    param_group.foreach_all_gather_copy_out = copy_out_keeping_versions
+
+    factors = collectives._get_gradient_divide_factors  # 4.
+
+    def divide_factors(reduce_scatter_group, all_reduce_group, *args, **kwargs):
+        if dist.get_backend(reduce_scatter_group) != "gloo":
+            return factors(reduce_scatter_group, all_reduce_group, *args, **kwargs)
+        world = reduce_scatter_group.size() * (all_reduce_group.size() if all_reduce_group is not None else 1)
+        pre = 1
+        while world % pre == 0 and world / pre > pre:
+            pre *= 2
+        return float(pre), world / pre
+
+    collectives._get_gradient_divide_factors = divide_factors
+
+
+class ByteCounter:
+    """Counts what FSDP2's collectives hand to the backend: the payload (the caller's input tensor) and what a ring
+    algorithm sends for it. Gloo's reduce_scatter_tensor is an all-reduce of the whole input inside (PyTorch PR
+    #118911), so it is counted as one."""
+
+    def __init__(self, world):
+        self.world, self.payload, self.sent, self.calls = world, 0, 0.0, {}
+
+    def wrap(self, name, input_of, sent_factor):
+        original = getattr(dist, name)
+
+        def counted(*args, **kwargs):
+            tensor = input_of(args, kwargs)
+            nbytes = tensor.numel() * tensor.element_size()
+            self.payload += nbytes
+            self.sent += sent_factor * nbytes
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    def install(self):
+        n = self.world
+        self.wrap("all_gather_into_tensor", lambda a, k: k.get("input_tensor", a[1] if len(a) > 1 else None), n - 1)
+        self.wrap("reduce_scatter_tensor", lambda a, k: k.get("input", a[1] if len(a) > 1 else None), 2 * (n - 1) / n)
+
+    def reset(self):
+        self.payload, self.sent, self.calls = 0, 0.0, {}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="PyTorch FSDP2 (gloo, CPU) on shardlab's tiny_gpt shape.")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--reshard-after-forward", choices=["true", "false"], default="true")
+    p.add_argument("--vocab", type=int, required=True, help="vocabulary size (shardlab's corpus_vocab())")
+    p.add_argument("--block", type=int, default=32)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--json", metavar="FILE")
+    return p.parse_args(argv)
+
+
+def main(argv):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from torch.distributed.fsdp import fully_shard
+
+    make_fsdp2_work_on_cpu()
+    counter = ByteCounter(world)
+    counter.install()
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
+    model = torch_ddp.TinyGpt(args.vocab, args.block, args.dim, args.heads, args.layers, args.seed)
+    param_count = sum(p.numel() for p in model.parameters())
+    raf = args.reshard_after_forward == "true"
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=raf)
+    fully_shard(model)  # the root: reshard_after_forward=None keeps it, as FSDP2 does by default
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    step_ms, payload, sent, loss = [], [], [], None
+    for step in range(args.warmup + args.steps):
+        tokens, target = torch_ddp.batch_for(step, args, rank, world)
+        counter.reset()
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = model(tokens, target)
+        loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup:
+            step_ms.append(elapsed * 1e3)
+            payload.append(counter.payload)
+            sent.append(counter.sent)
+    calls = dict(counter.calls)
+
+    final = loss.detach().clone()
+    dist.all_reduce(final)
+    if rank == 0:
+        result = {
+            "framework": "pytorch-fsdp2",
+            "torch_version": torch.__version__,
+            "world_size": world,
+            "reshard_after_forward": raf,
+            "steps": args.steps,
+            "global_batch": args.global_batch,
+            "threads": args.threads,
+            "param_count": param_count,
+            "median_step_ms": statistics.median(step_ms),
+            "step_ms": step_ms,
+            "payload_bytes_per_step": statistics.median(payload),
+            "sent_bytes_per_step": statistics.median(sent),
+            "collectives_per_step": calls,
+            "final_loss": final.item() / world,
+        }
+        print(f"pytorch-fsdp2 world {world} raf {raf}: median step {result['median_step_ms']:.2f} ms, "
+              f"payload {result['payload_bytes_per_step']} B/step, collectives {calls}")
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=2)
+            os.replace(tmp, args.json)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
