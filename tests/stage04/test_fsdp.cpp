@@ -132,7 +132,6 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
             << fsdp.units()[u]->name() << " after forward";
       EXPECT_EQ(fsdp.root()->gathered_bytes(), fsdp.root()->gathered_capacity_bytes()) << "root after forward";
       loss.backward();
-      const Phase fwd = split(comm.recorder().since(start));
       Phase forward, backward;
       {
         const auto all = comm.recorder().since(start);
@@ -170,7 +169,6 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
           EXPECT_TRUE(fp.sharded.grad().defined()) << fp.name;
         }
       }
-      (void)fwd;
       for (const auto& p : fsdp.parameters()) p.mutable_grad().zero_();
     }
   }, test_group());
