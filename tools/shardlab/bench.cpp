@@ -107,6 +107,24 @@ double json_number(const std::string& text, const std::string& key) {
   return NAN;
 }
 
+PeerRun run_peer_script(const RunOptions& o, const std::vector<std::string>& argv, const std::string& result) {
+  LaunchOptions lo;
+  lo.nproc = o.world_size;
+  lo.timeout = std::chrono::seconds(o.timeout_s);
+  std::string last;
+  const LaunchResult r = launch(lo, argv, [&](int rank, const std::string& line) {
+    last = "[rank " + std::to_string(rank) + "] " + line;
+  });
+  std::ifstream in(result);
+  std::stringstream text;
+  text << in.rdbuf();
+  PeerRun run;
+  run.text = text.str();
+  run.ok = r.exit_code == 0 && !run.text.empty();
+  if (!run.ok) run.problem = r.message + ": " + last;
+  return run;
+}
+
 namespace {
 
 TorchResult run_torch(const BenchOptions& b) {
@@ -126,27 +144,19 @@ TorchResult run_torch(const BenchOptions& b) {
                                 "--threads", std::to_string(o.threads > 0 ? o.threads : 1),
                                 "--layers", std::to_string(o.train.layers), "--dim", std::to_string(o.train.dim),
                                 "--json", json};
-  LaunchOptions lo;
-  lo.nproc = o.world_size;
-  lo.timeout = std::chrono::seconds(o.timeout_s);
-  std::string last;
-  const LaunchResult r = launch(lo, argv, [&](int rank, const std::string& line) {
-    last = "[rank " + std::to_string(rank) + "] " + line;
-  });
-  std::ifstream in(json);
-  std::stringstream text;
-  text << in.rdbuf();
+  const PeerRun run = run_peer_script(o, argv, json);
   fs::remove_all(tmpl);
-  if (r.exit_code != 0 || text.str().empty()) {
-    t.why = "PyTorch DDP run failed (" + r.message + "): " + last;
+  if (!run.ok) {
+    t.why = "PyTorch DDP run failed (" + run.problem + ")";
     return t;
   }
+  const std::string text = run.text;
   t.ok = true;
-  t.step_ms = json_number(text.str(), "median_step_ms");
-  t.param_count = json_number(text.str(), "param_count");
-  t.buckets = json_number(text.str(), "num_buckets");
+  t.step_ms = json_number(text, "median_step_ms");
+  t.param_count = json_number(text, "param_count");
+  t.buckets = json_number(text, "num_buckets");
   std::smatch m;
-  const std::string s = text.str();
+  const std::string& s = text;
   if (std::regex_search(s, m, std::regex("\"torch_version\"\\s*:\\s*\"([^\"]*)\""))) t.version = m[1];
   return t;
 }

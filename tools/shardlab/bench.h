@@ -33,6 +33,17 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& options, const std::strin
 /// The BLAS that libblas.so.3 resolves to inside `root` ("" = this machine): "OpenBLAS", "reference BLAS (netlib)"...
 std::string blas_in(const std::string& root);
 
+/// What a peer script run left behind.
+struct PeerRun {
+  bool ok = false;      ///< every rank exited 0 and the result file is not empty
+  std::string text;     ///< the result file's text
+  std::string problem;  ///< when !ok: the launcher's message and the last line a rank printed
+};
+
+/// Launches `argv` as `options.world_size` ranks (torchrun's environment, `options.timeout_s`) and reads the file
+/// `result` (a path on this machine) that rank 0 writes.
+PeerRun run_peer_script(const RunOptions& options, const std::vector<std::string>& argv, const std::string& result);
+
 /// The number after `"key":` in a JSON text (NaN when absent). Enough for the peers' flat result files.
 double json_number(const std::string& text, const std::string& key);
 

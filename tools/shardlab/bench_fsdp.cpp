@@ -101,21 +101,12 @@ PeerResult run_peer(const FsdpBenchOptions& b, bool raf) {
                                 std::to_string(o.train.layers), "--dim", std::to_string(o.train.dim), "--vocab",
                                 std::to_string(corpus_vocab().size()), "--reshard-after-forward",
                                 raf ? "true" : "false", "--json", json};
-  LaunchOptions lo;
-  lo.nproc = o.world_size;
-  lo.timeout = std::chrono::seconds(o.timeout_s);
-  std::string last;
-  const LaunchResult r = launch(lo, argv, [&](int rank, const std::string& line) {
-    last = "[rank " + std::to_string(rank) + "] " + line;
-  });
-  std::ifstream in(dir / "fsdp.json");
-  std::stringstream text;
-  text << in.rdbuf();
-  if (r.exit_code != 0 || text.str().empty()) {
-    p.why = "PyTorch FSDP2 run failed (" + r.message + "): " + last;
+  const PeerRun run = run_peer_script(o, argv, (dir / "fsdp.json").string());
+  if (!run.ok) {
+    p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
     return p;
   }
-  const std::string s = text.str();
+  const std::string& s = run.text;
   p.ok = true;
   p.step_ms = json_number(s, "median_step_ms");
   p.param_count = json_number(s, "param_count");

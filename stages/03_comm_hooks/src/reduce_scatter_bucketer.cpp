@@ -1,7 +1,8 @@
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
 
+#include "shardlab/common/flat_storage.h"
+
 #include <ATen/ATen.h>
-#include <c10/core/StorageImpl.h>
 
 #include <exception>
 #include <stdexcept>
@@ -22,17 +23,8 @@
 namespace shardlab::comm_hooks {
 namespace {
 
-// Gives `t`'s storage 0 bytes, so the memory is freed even if other tensors share the storage (the FSDP way).
-void free_storage(const at::Tensor& t) {
-  if (!t.defined()) return;
-  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-  if (impl->nbytes() == 0) return;
-  at::Allocator* alloc = impl->allocator();
-  impl->set_data_ptr_noswap(alloc ? alloc->allocate(0) : at::DataPtr(nullptr, t.device()));
-  impl->set_nbytes(0);
-}
-
-bool has_storage(const at::Tensor& t) { return t.defined() && t.storage().nbytes() > 0; }
+// free_storage (common, flat_storage.h) gives a buffer 0 bytes even while other tensors share its storage.
+bool has_storage(const at::Tensor& t) { return storage_bytes(t) > 0; }
 
 }  // namespace
 
