@@ -1,11 +1,14 @@
 """Helpers shared by the shardlab notebooks: run the `shardlab` tool, read its JSON report and Chrome traces, draw
-the three figures (loss beside the reference, bytes per step beside theory, a timeline of one step).
+the three figures (loss beside the reference, bytes per step beside theory, a timeline of one step), and for FSDP
+(notebook 04) the parameter memory held over one step.
 
 Only the tool's documented outputs are read:
   - `shardlab train ... --json FILE`: one object (losses, reference_losses, bytes_per_step, ...);
   - `shardlab train ... --trace DIR`: DIR/rank{r}.trace.json, Chrome trace format. Track (tid) 1 "compute" holds
     the spans forward / backward / optimizer (args.step) and the "wait: ..." spans nested inside backward; tracks
     2, 3, ... "comm k" hold one span per collective, from launch to completion (args: op, wire_dtype, bytes, ...).
+    FSDP runs add counter events "fsdp memory" (ph "C", args param_bytes and grad_bytes): the bytes the FSDP layer
+    holds after every allocation and free.
 
 Environment:
   SHARDLAB_BIN           the tool (default: ../build/default/bin/shardlab, relative to this directory);
@@ -32,9 +35,11 @@ LABELS = {
     "hook_allreduce": "hook: fp32 all-reduce",
     "hook_fp16": "hook: fp16 compression",
     "hook_bf16": "hook: bf16 compression",
+    "fsdp": "FSDP",
 }
 COMPUTE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 WAIT_COLOR = "#c44e52"
+OP_COLORS = {"all_gather": "#8172b3", "reduce_scatter": "#937860", "all_reduce": "#4c72b0"}
 
 _workdir = None
 
@@ -76,10 +81,11 @@ def tool_help():
 
 
 def train(strategy, *, name=None, trace=False, world_size=2, model="tiny_gpt", steps=10, global_batch=8, seed=1,
-          **flags):
+          layers=2, **flags):
     """Runs `shardlab train --strategy STRATEGY ...` and returns its JSON report as a dict.
 
-    Extra keyword arguments become flags (bucket_cap_kb=32 -> --bucket-cap-kb 32). With trace=True the run also
+    `layers` is the tiny GPT's number of blocks (2 here, the model notebooks 01-03 describe; the tool's default is
+    4). Extra keyword arguments become flags (bucket_cap_kb=32 -> --bucket-cap-kb 32). With trace=True the run also
     writes Chrome traces; the report then carries "trace_dir". The command is printed so it can be rerun by hand
     (from the directory it prints).
     """
@@ -87,6 +93,8 @@ def train(strategy, *, name=None, trace=False, world_size=2, model="tiny_gpt", s
     out = workdir()
     args = ["train", "--strategy", strategy, "--world-size", str(world_size), "--model", model,
             "--steps", str(steps), "--global-batch", str(global_batch), "--seed", str(seed)]
+    if model == "tiny_gpt":  # notebooks 01-03 were drawn (figures, text) for the 2-block tiny GPT; 04 asks for more
+        args += ["--layers", str(layers)]
     for key, value in flags.items():
         args += ["--" + key.replace("_", "-"), str(value)]
     args += ["--json", f"{name}.json"]
@@ -106,7 +114,12 @@ def train(strategy, *, name=None, trace=False, world_size=2, model="tiny_gpt", s
 
 
 def label(run):
-    return run.get("label") or LABELS.get(run["strategy"], run["strategy"])
+    if run.get("label"):
+        return run["label"]
+    if run["strategy"] == "fsdp":
+        return "FSDP, " + ("reshard after forward" if run.get("reshard_after_forward", True) else
+                           "keep after forward")
+    return LABELS.get(run["strategy"], run["strategy"])
 
 
 def max_loss_diff(run):
@@ -172,7 +185,8 @@ def plot_bytes(runs, title="Bytes per step, rank 0"):
 
 
 class Trace:
-    """One rank's trace: its complete ("X") events and track names; times in ms from the first event."""
+    """One rank's trace: its complete ("X") events, counter ("C") events and track names; times in ms from the
+    first complete event."""
 
     def __init__(self, path):
         with open(path) as f:
@@ -186,6 +200,10 @@ class Trace:
             e["start"] = (e["ts"] - t0) / 1e3
             e["end"] = e["start"] + e["dur"] / 1e3
         self.spans = sorted(spans, key=lambda e: e["start"])
+        counters = [e for e in events if e.get("ph") == "C"]
+        for e in counters:
+            e["start"] = (e["ts"] - t0) / 1e3
+        self.counters = sorted(counters, key=lambda e: e["start"])
 
     def compute(self, step=None, name=None):
         return [e for e in self.spans if e.get("cat") == "compute" and (name is None or e["name"] == name)
@@ -202,6 +220,22 @@ class Trace:
 
     def within(self, start, end, cat):
         return [e for e in self.spans if e.get("cat") == cat and start <= e["start"] < end]
+
+    def counter(self, start, end, name="fsdp memory", key="param_bytes"):
+        """A counter's value over [start, end] as a step function: (times, values), beginning with the value held
+        at `start` (the last sample before it) and ending with the value held at `end`."""
+        samples = [e for e in self.counters if e["name"] == name and key in e.get("args", {})]
+        before = [e for e in samples if e["start"] <= start]
+        if not before:
+            raise ValueError(f"no '{name}' sample before {start:.3f} ms: was this an FSDP run?")
+        times, values = [start], [before[-1]["args"][key]]
+        for e in samples:
+            if start < e["start"] <= end:
+                times.append(e["start"])
+                values.append(e["args"][key])
+        times.append(end)
+        values.append(values[-1])
+        return times, values
 
 
 def load_trace(run, rank=0):
@@ -242,6 +276,9 @@ def step_summary(trace, step):
         "backward_compute_end": compute_end,
         "all_reduces": len(all_reduces),
         "other_collectives": len(comms) - len(all_reduces),
+        "all_gathers": sum(1 for e in comms if e["name"] == "all_gather"),
+        "reduce_scatters": sum(1 for e in comms if e["name"] == "reduce_scatter"),
+        "comm_bytes": sum(e["args"].get("bytes", 0) for e in comms),   # every collective of the step, any op
         "launched_during_backward": sum(1 for e in all_reduces if e["start"] <= compute_end),
         "bytes": sum(e["args"].get("bytes", 0) for e in all_reduces),
         "dtypes": sorted({e["args"].get("dtype") for e in all_reduces}),
@@ -262,14 +299,50 @@ def trace_summary(run, rank=0, skip=2):
     return {k: mean(k) for k in ("step_ms", "backward_ms", "comm_busy_ms", "exposed_ms", "all_reduces")}
 
 
-def plot_timeline(runs, step=None, rank=0, title="One training step of rank {rank}"):
+def _pack_lanes(spans):
+    """Assigns each span (sorted by start) the first sub-row where it overlaps nothing; returns the sub-rows."""
+    ends, rows = [], []
+    for e in spans:
+        for i, last in enumerate(ends):
+            if e["start"] >= last:
+                ends[i] = e["end"]
+                rows.append(i)
+                break
+        else:
+            ends.append(e["end"])
+            rows.append(len(ends) - 1)
+    return rows
+
+
+def _op_rows(comms):
+    """lanes="op": one row per collective op (all_gather, reduce_scatter, ...), with sub-rows where spans of the
+    same op overlap. Returns [(op, sub-row, spans)] in display order, top first."""
+    order = [op for op in OP_COLORS if any(e["name"] == op for e in comms)]
+    order += sorted({e["name"] for e in comms} - set(order))
+    rows = []
+    for op in order:
+        spans = [e for e in comms if e["name"] == op]
+        lanes = _pack_lanes(spans)
+        for lane in range(max(lanes) + 1):
+            rows.append((op, lane, [e for e, l in zip(spans, lanes) if l == lane]))
+    return rows
+
+
+def plot_timeline(runs, step=None, rank=0, title="One training step of rank {rank}", lanes="each"):
     """One axes per run: rank `rank`'s step `step` (default: the last). The top row is the training thread; below
-    it, one row per collective of the step, in launch order, each bar from launch to completion (time spent queued
-    behind earlier collectives included). Returns the step summaries (see step_summary)."""
+    it the collectives of the step, each bar from launch to completion (time spent queued behind earlier
+    collectives included): with lanes="each", one row per collective in launch order; with lanes="op", one row per
+    kind of collective (all_gather, reduce_scatter, ...), split only where two of a kind overlap, and for FSDP runs
+    each bar is labelled with its unit (see fsdp_step). Returns the step summaries (see step_summary)."""
+    if lanes not in ("each", "op"):
+        raise ValueError(f"lanes must be 'each' or 'op', not {lanes!r}")
     runs = runs if isinstance(runs, list) else [runs]
     traces = [load_trace(r, rank) for r in runs]
     picked = [t.steps()[-1] if step is None else step for t in traces]
-    counts = [len(t.within(*t.window(s), "comm")) for t, s in zip(traces, picked)]
+    if lanes == "op":
+        counts = [len(_op_rows(t.within(*t.window(s), "comm"))) + 1 for t, s in zip(traces, picked)]
+    else:
+        counts = [len(t.within(*t.window(s), "comm")) for t, s in zip(traces, picked)]
     heights = [1.2 + 0.16 * max(n, 3) for n in counts]
     fig_height = 1.0 + sum(heights)
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, fig_height), squeeze=False,
@@ -283,8 +356,14 @@ def plot_timeline(runs, step=None, rank=0, title="One training step of rank {ran
         t0, t1 = info["start"], info["end"]
         longest = max(longest, t1 - t0)
         comms = trace.within(t0, t1, "comm")
-        n = len(comms)
-        top = n + 1.5   # the compute row sits at y = top, collective k at y = n - k
+        if lanes == "op":
+            if run["strategy"] == "fsdp":
+                _name_fsdp_units(trace, s)
+            op_rows = _op_rows(comms)
+            n = len(op_rows)
+        else:
+            n = len(comms)
+        top = n + 1.5   # the compute row sits at y = top, collective k (or row k) at y = n - k
         for e in trace.compute(s):
             ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (top - 0.6, 1.2),
                            color=COMPUTE_COLORS.get(e["name"], "gray"))
@@ -293,7 +372,18 @@ def plot_timeline(runs, step=None, rank=0, title="One training step of rank {ran
                            edgecolor="white", hatch="////")
         ticks, names = [top], ["compute"]
         k_reduce = 0
-        for k, e in enumerate(comms):
+        for k, (op, lane, spans) in enumerate(op_rows if lanes == "op" else []):
+            y = n - k
+            for j, e in enumerate(spans):
+                ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (y - 0.4, 0.8),
+                               facecolor=OP_COLORS.get(op, "lightgray"), edgecolor="white", linewidth=0.6,
+                               alpha=1.0 if j % 2 == 0 else 0.75)
+            _label_bars(ax, spans, y, t0, t1 - t0)
+            ticks.append(y)
+            kib = sorted({round(e["args"].get("bytes", 0) / 1024, 1) for e in spans})
+            names.append(f"{op}{' (overlapping)' if lane else ''}: {len(spans)} x "
+                         f"{'/'.join(f'{b:g}' for b in kib)} KiB")
+        for k, e in enumerate(comms if lanes == "each" else []):
             y = n - k
             a = e.get("args", {})
             if e["name"] == "all_reduce":
@@ -313,18 +403,159 @@ def plot_timeline(runs, step=None, rank=0, title="One training step of rank {ran
         ax.axvline(info["backward_compute_end"] - t0, color="black", linestyle="--", linewidth=0.8)
         ax.set_yticks(ticks, names, fontsize=7)
         ax.set_ylim(0.3, top + 0.8)
-        ax.set_title(f"{label(run)}: step {s}, {info['all_reduces']} all-reduces, "
-                     f"{info['exposed_ms']:.2f} ms waiting for communication", fontsize=9, loc="left")
+        if lanes == "op":
+            done = [f"{c} {op.replace('_', '-')}s" for op, c in _count_ops(comms).items()]
+            ax.set_title(f"{label(run)}: step {s}, {', '.join(done)}, "
+                         f"{info['exposed_ms']:.2f} ms waiting for communication", fontsize=9, loc="left")
+        else:
+            ax.set_title(f"{label(run)}: step {s}, {info['all_reduces']} all-reduces, "
+                         f"{info['exposed_ms']:.2f} ms waiting for communication", fontsize=9, loc="left")
     for ax in axes[:, 0]:
         ax.set_xlim(0, longest * 1.02)
     axes[-1, 0].set_xlabel("ms since the step's forward began")
     handles = [Patch(color=c, label=n) for n, c in COMPUTE_COLORS.items()]
-    handles += [Patch(facecolor=WAIT_COLOR, hatch="////", edgecolor="white", label="waiting for communication"),
-                Patch(facecolor=cmap(0), edgecolor="black", label="all_reduce, launch to done"),
-                Patch(facecolor="lightgray", edgecolor="gray", hatch="..", label="other collective"),
-                plt.Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="backward compute ends")]
+    handles += [Patch(facecolor=WAIT_COLOR, hatch="////", edgecolor="white", label="waiting for communication")]
+    if lanes == "op":
+        shown_ops = sorted({e["name"] for t, s in zip(traces, picked) for e in t.within(*t.window(s), "comm")},
+                           key=lambda op: list(OP_COLORS).index(op) if op in OP_COLORS else len(OP_COLORS))
+        handles += [Patch(facecolor=OP_COLORS.get(op, "lightgray"), label=f"{op}, launch to done")
+                    for op in shown_ops]
+    else:
+        handles += [Patch(facecolor=cmap(0), edgecolor="black", label="all_reduce, launch to done"),
+                    Patch(facecolor="lightgray", edgecolor="gray", hatch="..", label="other collective")]
+    handles += [plt.Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="backward compute ends")]
     fig.suptitle(title.format(rank=rank), fontsize=10)
     fig.tight_layout(rect=(0, 0.45 / fig_height, 1, 1))
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     plt.show()
     return summaries
+
+
+def _label_bars(ax, spans, y, t0, width, heights=(0.42,)):
+    """Writes each span's unit ("root", "0" for block0, ...) above its bar, left-aligned at its launch, shifted right
+    where it would run into the previous label; `heights` are cycled through (offsets from y)."""
+    last_end = -1e9
+    for j, e in enumerate(spans):
+        if not e.get("unit"):
+            continue
+        text = e["unit"].replace("block", "")
+        x = max(e["start"] - t0, last_end)
+        ax.text(x, y + heights[j % len(heights)], text, fontsize=6, va="bottom", ha="left")
+        last_end = x + width * (0.0065 * len(text) + 0.004)
+
+
+def _count_ops(comms):
+    counts = {}
+    for e in comms:
+        counts[e["name"]] = counts.get(e["name"], 0) + 1
+    return counts
+
+
+# --- FSDP: the schedule and the memory of one step ------------------------------------------------------------
+
+
+def _name_fsdp_units(trace, step):
+    """Splits the step's collectives by FSDP's schedule and names each one's unit (sets e["unit"]): the forward
+    gathers the root, then block0 ... block{B-1}; the backward gathers them in reverse (when it resharded them
+    after forward) and reduce-scatters block{B-1} ... block0, then the root. The names follow from the launch order
+    and that schedule; fsdp_step's callers check the counts and sizes that back them."""
+    start, end = trace.window(step)
+    forward = trace.compute(step, "forward")
+    backward = trace.compute(step, "backward")
+    inside = lambda e, spans: any(sp["start"] <= e["start"] <= sp["end"] for sp in spans)
+    comms = trace.within(start, end, "comm")
+    gathers = [e for e in comms if e["name"] == "all_gather"]
+    fwd = [e for e in gathers if inside(e, forward)]
+    bwd = [e for e in gathers if inside(e, backward) and not inside(e, forward)]
+    scatters = [e for e in comms if e["name"] == "reduce_scatter"]
+    blocks = len(fwd) - 1
+    for i, e in enumerate(fwd):
+        e["unit"] = "root" if i == 0 else f"block{i - 1}"
+    for i, e in enumerate(bwd):
+        e["unit"] = f"block{blocks - 1 - i}"
+    for i, e in enumerate(scatters):
+        e["unit"] = "root" if i == len(scatters) - 1 else f"block{blocks - 1 - i}"
+    return fwd, bwd, scatters
+
+
+def fsdp_step(run, step=None, rank=0):
+    """FSDP in one traced step of rank `rank` (default: the last step), from the trace:
+    forward_gathers, backward_gathers, reduce_scatters: the collectives' spans in launch order, each with its
+    "unit"; param_times/param_bytes and grad_times/grad_bytes: the bytes held over the step (the "fsdp memory"
+    counter, a step function from the step's start to its end); start, end and the compute spans (ms)."""
+    trace = load_trace(run, rank)
+    s = trace.steps()[-1] if step is None else step
+    start, end = trace.window(s)
+    fwd, bwd, scatters = _name_fsdp_units(trace, s)
+    param_times, param_bytes = trace.counter(start, end, key="param_bytes")
+    grad_times, grad_bytes = trace.counter(start, end, key="grad_bytes")
+    return {
+        "step": s, "start": start, "end": end, "compute": trace.compute(s),
+        "forward_gathers": fwd, "backward_gathers": bwd, "reduce_scatters": scatters,
+        "collectives": trace.within(start, end, "comm"),
+        "param_times": param_times, "param_bytes": param_bytes,
+        "grad_times": grad_times, "grad_bytes": grad_bytes,
+    }
+
+
+def plot_memory(runs, replica_bytes=None, step=None, rank=0, title="Parameter bytes held by rank {rank} over one step"):
+    """One panel per FSDP run: the parameter bytes its FSDP layer held over one step (the "fsdp memory" counter,
+    measured), the run's theory peak (dashed) and, if given, a full replica's bytes (what DDP holds, flat). Under
+    each panel a strip with the step's all-gathers and reduce-scatters, launch to done, labelled with their unit,
+    so that every step of the curve can be matched with the collective that caused it. Returns fsdp_step's dict
+    for each run."""
+    runs = runs if isinstance(runs, list) else [runs]
+    steps = [fsdp_step(r, step, rank) for r in runs]
+    top = max([max(s["param_bytes"]) for s in steps] + [r["peak_param_bytes_theory"] for r in runs]
+              + [replica_bytes or 0]) / 1024 * 1.12
+    ratios = []
+    for _ in runs:
+        ratios += [3.2, 0.75]
+    fig, axes = plt.subplots(2 * len(runs), 1, figsize=(11, 0.9 + 4.0 * len(runs)),
+                             gridspec_kw={"height_ratios": ratios})
+    for i, (run, info) in enumerate(zip(runs, steps)):
+        ax, strip = axes[2 * i], axes[2 * i + 1]
+        t0 = info["start"]
+        for e in info["compute"]:
+            for a in (ax, strip):
+                a.axvspan(e["start"] - t0, e["end"] - t0, color=COMPUTE_COLORS.get(e["name"], "gray"), alpha=0.08,
+                          linewidth=0)
+            if e["end"] - e["start"] > 0.1 * (info["end"] - t0):   # too narrow to name: the optimizer
+                ax.text((e["start"] + e["end"]) / 2 - t0, top * 0.985, e["name"], ha="center", va="top",
+                        fontsize=7, color=COMPUTE_COLORS.get(e["name"], "gray"))
+        times = [t - t0 for t in info["param_times"]]
+        kib = [b / 1024 for b in info["param_bytes"]]
+        ax.step(times, kib, where="post", color="black", linewidth=1.3, label="held (measured)")
+        ax.axhline(run["peak_param_bytes_theory"] / 1024, color="#c44e52", linestyle="--", linewidth=1,
+                   label=f"theory peak: {run['peak_param_bytes_theory'] / 1024:.1f} KiB")
+        ax.axhline(info["param_bytes"][0] / 1024, color="gray", linestyle=":", linewidth=1,
+                   label=f"shards only: {info['param_bytes'][0] / 1024:.1f} KiB")
+        if replica_bytes:
+            ax.axhline(replica_bytes / 1024, color="#55a868", linewidth=2, alpha=0.7,
+                       label=f"bucketed DDP, a full replica: {replica_bytes / 1024:.1f} KiB")
+        peak = max(info["param_bytes"])
+        k = info["param_bytes"].index(peak)
+        ax.annotate(f"measured peak {peak / 1024:.1f} KiB", (times[k], peak / 1024),
+                    xytext=(10, 16), textcoords="offset points", fontsize=7, va="bottom",
+                    arrowprops=dict(arrowstyle="-", color="gray", linewidth=0.6))
+        ax.set(ylim=(0, top), xlim=(0, info["end"] - t0), ylabel="KiB")
+        ax.set_xticklabels([])
+        ax.set_title(f"{label(run)}: step {info['step']}", fontsize=9, loc="left")
+        ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1, 0.93), framealpha=0.9)
+        rows = [("all_gather", info["forward_gathers"] + info["backward_gathers"]),
+                ("reduce_scatter", info["reduce_scatters"])]
+        for y, (op, spans) in zip((1, 0), rows):
+            for j, e in enumerate(spans):
+                strip.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (y - 0.35, 0.7),
+                                  facecolor=OP_COLORS[op], edgecolor="white", linewidth=0.5,
+                                  alpha=1.0 if j % 2 == 0 else 0.7)
+            _label_bars(strip, spans, y, t0, info["end"] - t0, heights=(0.38,))
+        strip.set_yticks([1, 0], [f"all-gathers ({len(rows[0][1])})", f"reduce-scatters ({len(rows[1][1])})"],
+                         fontsize=7)
+        strip.set(ylim=(-0.5, 1.9), xlim=(0, info["end"] - t0))
+        strip.tick_params(axis="x", labelsize=7)
+    axes[-1].set_xlabel("ms since the step's forward began (unit labels: root, 0 = block0, 1 = block1, ...)")
+    fig.suptitle(title.format(rank=rank), fontsize=10)
+    fig.tight_layout()
+    plt.show()
+    return steps

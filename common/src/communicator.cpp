@@ -174,21 +174,20 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
   // shows when the collective really ended, not when someone waited for it. CUDA tensors: the future completes
   // when the work is queued on the GPU, so the record ends when wait() has synchronized with it instead.
   std::shared_ptr<CommRecorder> rec = recorder_;
-  bool timed_by_backend = false;
   if (on_cpu) {
     try {
       work->getFuture()->addCallback([rec, record_index](c10::ivalue::Future&) { rec->finish(record_index); });
-      timed_by_backend = true;
     } catch (const std::exception&) {
       // a backend without a future: timed at wait() below
     }
   }
-  if (!timed_by_backend) {
-    finish = [rec, record_index, inner = std::move(finish)] {
-      rec->finish(record_index);
-      if (inner) inner();
-    };
-  }
+  // Either way the record is closed by the time wait() returns: the backend's future may run its callbacks (on its
+  // own thread) only after the work reports completion to wait(), and a record still open then would be missing
+  // from traces and from comm_time. CommRecorder::finish keeps the first time, so the future's wins when it came.
+  finish = [rec, record_index, inner = std::move(finish)] {
+    rec->finish(record_index);
+    if (inner) inner();
+  };
   std::ostringstream what;
   what << op << " on group '" << name_ << "' (rank " << rank_ << " of " << size_ << ")";
   return Handle(std::move(work), std::move(finish), what.str(), timeout_);
