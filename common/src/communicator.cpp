@@ -126,6 +126,11 @@ bool Communicator::has_flat_all_gather(const at::Tensor& t) const {
   return kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && t.is_cpu());
 }
 
+c10::intrusive_ptr<compat::Work> Communicator::issue(const std::function<c10::intrusive_ptr<compat::Work>()>& call) {
+  std::lock_guard<std::mutex> lock(*issuing_);
+  return call();
+}
+
 bool ring_reduce_scatter_pays(int world_size, int64_t input_bytes) {
   return world_size <= 2 || input_bytes >= (int64_t{1} << 20);
 }
@@ -206,7 +211,7 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   opts.timeout = timeout_;
   const size_t idx = record("all_reduce", "all_reduce", t, wire, &op);
   std::vector<at::Tensor> tensors{wire};
-  auto work = backend_->allreduce(tensors, opts);
+  auto work = issue([&] { return backend_->allreduce(tensors, opts); });
   const bool divide = op == ReduceOp::kAvg && !native_avg;
   std::function<void()> finish;
   if (divide || bf16_fallback) {
@@ -230,7 +235,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
   opts.timeout = timeout_;
   const size_t idx = record("broadcast", "broadcast", t, wire, nullptr);
   std::vector<at::Tensor> tensors{wire};
-  auto work = backend_->broadcast(tensors, opts);
+  auto work = issue([&] { return backend_->broadcast(tensors, opts); });
   std::function<void()> finish;
   if (bf16_fallback) finish = [t, wire] { t.copy_(wire); };
   return submit(std::move(work), idx, std::move(finish), "broadcast", t.is_cpu());
@@ -258,7 +263,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
   if (has_flat_all_gather(input)) {
     at::Tensor in = wire_in.contiguous().view({-1});  // the backend splits the output into pieces shaped like this
     const size_t idx = record("all_gather", "all_gather", input, in, nullptr);
-    auto work = backend_->_allgather_base(wire_out, in, opts);
+    auto work = issue([&] { return backend_->_allgather_base(wire_out, in, opts); });
     return submit(std::move(work), idx, std::move(finish), "all_gather", input.is_cpu());
   }
   std::vector<at::Tensor> chunks;
@@ -268,7 +273,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
   std::vector<std::vector<at::Tensor>> outputs{chunks};
   std::vector<at::Tensor> inputs{wire_in.contiguous()};
   const size_t idx = record("all_gather", "all_gather(list)", input, wire_in, nullptr);
-  auto work = backend_->allgather(outputs, inputs, opts);
+  auto work = issue([&] { return backend_->allgather(outputs, inputs, opts); });
   return submit(std::move(work), idx, std::move(finish), "all_gather", input.is_cpu());
 }
 
@@ -292,7 +297,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
     opts.timeout = timeout_;
     at::Tensor in = input.view({-1}), out = output.view({-1});
     const size_t idx = record("reduce_scatter", "reduce_scatter", input, in, &op);
-    auto work = backend_->_reduce_scatter_base(out, in, opts);
+    auto work = issue([&] { return backend_->_reduce_scatter_base(out, in, opts); });
     return submit(std::move(work), idx, nullptr, "reduce_scatter", input.is_cpu());
   }
   const bool ring = rs_algorithm_ == ReduceScatterAlgorithm::kRing ||
@@ -307,7 +312,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   opts.timeout = timeout_;
   const size_t idx = record("reduce_scatter", "all_reduce", input, wire, &op);
   std::vector<at::Tensor> tensors{wire};
-  auto work = backend_->allreduce(tensors, opts);
+  auto work = issue([&] { return backend_->allreduce(tensors, opts); });
   auto finish = [output, wire, op, r = rank_, n = size_] {
     at::Tensor mine = wire.view({n, -1})[r];
     if (op == ReduceOp::kAvg) mine.div_(n);
@@ -319,6 +324,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
 Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   // See Note [Ring reduce-scatter]. The ring works on a private copy (in f32 where Gloo cannot carry bf16).
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
+  if (size_ > 4096) throw std::invalid_argument("reduce_scatter: the ring supports up to 4096 ranks");
   at::Tensor work = (bf16_fallback ? input.to(c10::kFloat) : input.clone()).view({size_, -1});
   const int64_t n = work.size(1);
   at::Tensor sent = work.narrow(0, 0, size_ > 1 ? size_ - 1 : 0);  // what the ring sends: N-1 chunks
@@ -328,7 +334,6 @@ Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Ten
     if (op == ReduceOp::kAvg) mine.div_(n);
     output.view({-1}).copy_(mine);
   };
-  if (size_ > 4096) throw std::invalid_argument("reduce_scatter: the ring supports up to 4096 ranks");
   if (size_ == 1) {
     recorder_->finish(idx);
     return Handle(c10::intrusive_ptr<compat::Work>(), std::move(finish), "reduce_scatter", timeout_);
@@ -336,7 +341,8 @@ Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Ten
   auto task_work = c10::make_intrusive<detail::TaskWork>();
   if (!ring_) ring_ = std::make_unique<detail::SerialWorker>();
   const uint64_t sequence = ring_sequence_++;
-  ring_->submit([backend = backend_, task_work, work, n, rank = rank_, size = size_, sequence, timeout = timeout_] {
+  ring_->submit([backend = backend_, issuing = issuing_, task_work, work, n, rank = rank_, size = size_, sequence,
+                 timeout = timeout_] {
     try {
       at::Tensor incoming = at::empty({n}, work.options());
       const int right = (rank + 1) % size, left = (rank + size - 1) % size;
@@ -346,10 +352,22 @@ Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Ten
         // (ring number, step), the same on every rank; 4096 steps per ring (ranks) at most, then wraps.
         const int tag = static_cast<int>((sequence % (uint64_t{1} << 18)) * 4096 + static_cast<uint64_t>(step));
         std::vector<at::Tensor> out{work[send_chunk]}, in{incoming};
-        auto sending = backend->send(out, right, tag);
-        auto receiving = backend->recv(in, left, tag);
-        if (!receiving->wait(timeout) || !sending->wait(timeout))
-          throw std::runtime_error("ring step " + std::to_string(step) + " failed");
+        c10::intrusive_ptr<compat::Work> sending, receiving;
+        {
+          std::lock_guard<std::mutex> lock(*issuing);  // c10d's backends expect one issuing thread at a time
+          sending = backend->send(out, right, tag);
+          receiving = backend->recv(in, left, tag);
+        }
+        // Wait for both even when one fails: the send's buffer must outlive it.
+        std::exception_ptr failed;
+        for (auto* w : {&receiving, &sending}) {
+          try {
+            if (!(*w)->wait(timeout)) throw std::runtime_error("the backend reported failure");
+          } catch (...) {
+            if (!failed) failed = std::current_exception();
+          }
+        }
+        if (failed) std::rethrow_exception(failed);
         work[recv_chunk].add_(incoming);
       }
       task_work->complete(nullptr);
@@ -365,7 +383,7 @@ void Communicator::barrier() {
   opts.timeout = timeout_;
   at::Tensor none = at::empty({0});
   const size_t idx = record("barrier", "barrier", none, none, nullptr);
-  submit(backend_->barrier(opts), idx, nullptr, "barrier", kind_ == BackendKind::kGloo).wait();
+  submit(issue([&] { return backend_->barrier(opts); }), idx, nullptr, "barrier", kind_ == BackendKind::kGloo).wait();
 }
 
 }  // namespace shardlab

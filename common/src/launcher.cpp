@@ -90,10 +90,20 @@ constexpr auto kPollSlice = std::chrono::milliseconds(50);  // how often exits a
 }
 
 /// Waits for every process of group `pgid` that is our child (the rank's leftovers, re-parented to us) after the
-/// group was sent SIGKILL. Returns at once where there are none. See Note [Reaping a rank's whole group].
+/// group was sent SIGKILL. Returns at once where there are none, and after kGracePeriod at the latest: a process
+/// that SIGKILL does not end (stuck in the kernel) must not hang the launcher. See Note [Reaping a rank's whole
+/// group].
 void reap_group(pid_t pgid) {
-  siginfo_t info{};
-  while (waitid(P_PGID, static_cast<id_t>(pgid), &info, WEXITED) == 0 || errno == EINTR) {
+  const auto give_up = Clock::now() + kGracePeriod;
+  for (;;) {
+    siginfo_t info{};
+    if (waitid(P_PGID, static_cast<id_t>(pgid), &info, WEXITED | WNOHANG) != 0) {
+      if (errno == EINTR) continue;
+      return;  // ECHILD: none left
+    }
+    if (info.si_pid != 0) continue;  // reaped one; there may be more
+    if (Clock::now() >= give_up) return;
+    poll(nullptr, 0, 1);  // 1 ms: SIGKILLed processes take moments to end
   }
 }
 

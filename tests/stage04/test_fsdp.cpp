@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/nn/modules/linear.h>
 
 #include <iostream>
 #include <sstream>
@@ -329,48 +330,57 @@ TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards
 // exactly these operations: bit for bit. At 2 ranks each rank's bf16 backward sees half the batch and the f32 mean
 // of the two differs from one bf16 backward over the whole batch by bf16 rounding, no more.
 TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 3;
-  c.global_batch = 8;
-  auto master = make_model(c, at::kCPU);
-  auto compute = make_model(c, at::kCPU);
-  compute->to(at::kBFloat16);
-  auto data = make_dataset(c.model, c.seed);
-  auto opt = make_optimizer(c.optimizer, trainable_parameters(*master), c.lr);
-  for (int step = 0; step < c.steps; ++step) {
-    compat::zero_grad(*opt);
-    {
-      torch::NoGradGuard no_grad;
-      auto m = master->parameters(), w = compute->parameters();
-      for (size_t i = 0; i < m.size(); ++i) w[i].copy_(m[i]);
+  for (int micro : {1, 2}) {  // 2: micro-batch gradients are accumulated in f32 (the reduce dtype) between them
+    TrainConfig c;
+    c.model = "mlp";
+    c.steps = 3;
+    c.global_batch = 8;
+    c.micro_batches = micro;
+    auto master = make_model(c, at::kCPU);
+    auto compute = make_model(c, at::kCPU);
+    compute->to(at::kBFloat16);
+    auto data = make_dataset(c.model, c.seed);
+    auto opt = make_optimizer(c.optimizer, trainable_parameters(*master), c.lr);
+    for (int step = 0; step < c.steps; ++step) {
+      compat::zero_grad(*opt);
+      {
+        torch::NoGradGuard no_grad;
+        auto m = master->parameters(), w = compute->parameters();
+        for (size_t i = 0; i < m.size(); ++i) w[i].copy_(m[i]);
+      }
+      for (const Batch& mb : micro_batches(data->global_batch(step, c.global_batch), micro)) {
+        for (auto& w : compute->parameters()) w.mutable_grad().reset();
+        Batch b = mb;
+        b.input = b.input.to(at::kBFloat16);
+        (compute->loss(b) / micro).backward();
+        auto m = master->parameters(), w = compute->parameters();
+        for (size_t i = 0; i < m.size(); ++i) {
+          at::Tensor& g = m[i].mutable_grad();
+          if (g.defined()) g.add_(w[i].grad().to(at::kFloat));
+          else g = w[i].grad().to(at::kFloat);
+        }
+      }
+      opt->step();
     }
-    for (auto& w : compute->parameters()) w.mutable_grad().reset();
-    Batch b = data->global_batch(step, c.global_batch);
-    b.input = b.input.to(at::kBFloat16);
-    compute->loss(b).backward();
-    auto m = master->parameters(), w = compute->parameters();
-    for (size_t i = 0; i < m.size(); ++i) m[i].mutable_grad() = w[i].grad().to(at::kFloat);
-    opt->step();
-  }
-  const std::vector<at::Tensor> reference = on_cpu(master->parameters());
-  for (int world : {1, 2}) {
-    std::vector<at::Tensor> finals;
-    run_ranks(world, [&](Communicator& comm) {
-      auto model = make_model(c, at::kCPU);
-      Options options;
-      options.mixed_precision.param_dtype = at::kBFloat16;
-      options.mixed_precision.reduce_dtype = at::kFloat;
-      FullyShardedModel fsdp(model, comm, options);
-      test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
-      auto full = on_cpu(fsdp.full_parameters());
-      if (comm.rank() == 0) finals = full;
-    }, test_group());
-    const double diff = max_abs_diff(finals, reference);
-    std::cout << "bf16/f32 at " << world << " rank(s) vs the same casts on one device: max |param diff| = " << diff
-              << "\n";
-    if (world == 1) EXPECT_EQ(diff, 0.0) << "one rank does exactly the reference's operations";
-    else EXPECT_LT(diff, 2e-3) << "bf16 rounding of half-batch backward passes only";
+    const std::vector<at::Tensor> reference = on_cpu(master->parameters());
+    for (int world : {1, 2}) {
+      std::vector<at::Tensor> finals;
+      run_ranks(world, [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        Options options;
+        options.mixed_precision.param_dtype = at::kBFloat16;
+        options.mixed_precision.reduce_dtype = at::kFloat;
+        FullyShardedModel fsdp(model, comm, options);
+        test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
+        auto full = on_cpu(fsdp.full_parameters());
+        if (comm.rank() == 0) finals = full;
+      }, test_group());
+      const double diff = max_abs_diff(finals, reference);
+      std::cout << "bf16/f32, " << micro << " micro-batch(es), " << world
+                << " rank(s) vs the same casts on one device: max |param diff| = " << diff << "\n";
+      if (world == 1) EXPECT_EQ(diff, 0.0) << "one rank does exactly the reference's operations";
+      else EXPECT_LT(diff, 2e-3) << "bf16 rounding of half-batch backward passes only";
+    }
   }
 }
 
@@ -393,6 +403,78 @@ TEST(FullyShardedModel, AnUnusedParameterIsAnErrorNamingItAndNoRankHangs) {
     fsdp.loss(rank_slice(data->global_batch(2, c.global_batch), comm.rank(), 2)).backward();
   }, test_group());
   for (const auto& e : errors) EXPECT_NE(e.find("'sometimes'"), std::string::npos) << "got: " << e;
+}
+
+// A backward that throws halfway (here: a hook on block 0's output, after the later blocks' gradients came) must
+// leave nothing behind: the next step, after the optimizer's zero_grad, gives the same gradients as a clean one.
+TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 4;
+  std::vector<std::vector<at::Tensor>> clean(2), after_abort(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto data = make_dataset(c.model, c.seed);
+    for (bool abort : {false, true}) {
+      auto model = make_model(c, at::kCPU);
+      FullyShardedModel fsdp(model, comm);
+      if (abort) {
+        UnitForward fsdp_slot = model->units()[0].forward;
+        model->units()[0].forward = [fsdp_slot](const at::Tensor& x) {
+          at::Tensor y = fsdp_slot(x);
+          y.register_hook([](const at::Tensor&) { throw std::runtime_error("injected failure in backward"); });
+          return y;
+        };
+        EXPECT_THROW(fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward(),
+                     std::exception);
+        model->units()[0].forward = fsdp_slot;
+        for (const auto& p : fsdp.parameters())
+          if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
+      }
+      fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
+      std::vector<at::Tensor> grads;
+      for (const auto& p : fsdp.parameters()) grads.push_back(p.grad().clone());
+      (abort ? after_abort : clean)[comm.rank()] = grads;
+      for (const auto& unit : fsdp.units())
+        for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
+    }
+  }, test_group());
+  for (int r = 0; r < 2; ++r) {
+    const double diff = max_abs_diff(after_abort[r], clean[r]);
+    std::cout << "rank " << r << ": max |grad after an aborted backward - clean grad| = " << diff << "\n";
+    EXPECT_EQ(diff, 0.0);
+  }
+}
+
+TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheModelUntouched) {
+  // A block that also registers the root's embedding: the root's use would read the block's freed storage.
+  struct UsesShared : torch::nn::Module {
+    explicit UsesShared(const at::Tensor& shared) { w = register_parameter("w", shared); }
+    at::Tensor forward(const at::Tensor& x) { return at::matmul(x, w.t()); }
+    at::Tensor w;
+  };
+  struct Tied : Model {
+    Tied() {
+      emb = register_module("emb", torch::nn::Linear(4, 4));
+      block = register_unit("block", std::make_shared<UsesShared>(emb->weight));
+      init_parameters(*this, 1);
+    }
+    at::Tensor loss(const Batch& b) override { return block(emb->forward(b.input)).pow(2).mean(); }
+    torch::nn::Linear emb{nullptr};
+    UnitRef<UsesShared> block;
+  };
+  run_ranks(1, [&](Communicator& comm) {
+    auto model = std::make_shared<Tied>();
+    const at::Tensor before = model->emb->weight.detach().clone();
+    try {
+      FullyShardedModel fsdp(model, comm);
+      ADD_FAILURE() << "a parameter in a unit and in the root was accepted";
+    } catch (const std::invalid_argument& e) {
+      std::cout << "error: " << e.what() << "\n";
+      EXPECT_NE(std::string(e.what()).find("emb.weight"), std::string::npos) << e.what();
+    }
+    for (const auto& p : model->parameters()) EXPECT_GT(storage_bytes(p), 0) << "the model must be left as it was";
+    EXPECT_TRUE(at::equal(model->emb->weight, before));
+  }, test_group());
 }
 
 TEST(FullyShardedModel, EvaluationGathersAndFreesWithoutBackward) {

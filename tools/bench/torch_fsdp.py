@@ -59,7 +59,7 @@ def make_fsdp2_work_on_cpu():
                 if t.device.type == "cpu":
                     before.append((t, t._version))
         copy_out(result, fsdp_params, group)
-        for t, version in before:
+        for t, version in before:  # torch 2.6's signature (one tensor, one version); 2.7 takes tuples
             torch._C._autograd._unsafe_set_version_counter(t, version)
 
     param_group.foreach_all_gather_copy_out = copy_out_keeping_versions
@@ -143,7 +143,7 @@ def main(argv):
     raf = args.reshard_after_forward == "true"
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=raf)
-    fully_shard(model)  # the root: reshard_after_forward=None keeps it, as FSDP2 does by default
+    fully_shard(model)  # the root: FSDP2 does not reshard the root after forward (it is used again first in backward)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     step_ms, payload, sent, loss = [], [], [], None

@@ -55,7 +55,6 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
                                      "16", "--threads", "1", "--dim", "128", "--layers", "4"};
   const char* root_env = std::getenv("SHARDLAB_TRIXIE_ROOT");
   b.fsdp.torch_root = root_env && *root_env ? root_env : "/var/cache/shardlab/trixie";
-  b.fsdp.scripts_dir = fs::path(b.torch_script).parent_path().string();
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&]() -> const std::string& {
@@ -87,6 +86,7 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
   b.run = parse_options(rest, /*allow_strategy=*/false);
   b.fsdp.run = parse_options(fsdp_rest, /*allow_strategy=*/false);
   b.fsdp.repeat = b.repeat;
+  b.fsdp.scripts_dir = fs::path(b.torch_script).parent_path().string();  // beside torch_ddp.py (--torch-script)
   b.fsdp.torch = b.torch;
   return b;
 }

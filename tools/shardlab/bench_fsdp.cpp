@@ -86,11 +86,13 @@ PeerResult run_peer(const FsdpBenchOptions& b, bool raf) {
   const fs::path dir = fs::path(b.torch_root) / inside.relative_path();
   std::error_code ec;
   fs::create_directories(dir, ec);
-  for (const char* script : {"torch_fsdp.py", "torch_ddp.py"})
+  for (const char* script : {"torch_fsdp.py", "torch_ddp.py"}) {
     fs::copy_file(fs::path(b.scripts_dir) / script, dir / script, fs::copy_options::overwrite_existing, ec);
-  if (ec) {
-    p.why = "cannot copy the peer scripts into " + dir.string() + ": " + ec.message();
-    return p;
+    if (ec) {
+      p.why = "cannot copy " + (fs::path(b.scripts_dir) / script).string() + " into " + dir.string() + ": " +
+              ec.message();
+      return p;
+    }
   }
   const std::string json = (inside / "fsdp.json").string();
   fs::remove(dir / "fsdp.json", ec);

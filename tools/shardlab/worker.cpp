@@ -26,7 +26,7 @@ double sent_bytes(const CollectiveRecord& r, int world) {
   if (r.wire_op == "reduce_scatter(ring)") return bytes;
   if (r.wire_op == "reduce_scatter") return (n - 1) / n * bytes;
   if (r.wire_op == "all_reduce") return 2 * (n - 1) / n * bytes;
-  return 0;  // barrier
+  return 0;  // barrier, and a broadcast (setup only, never counted per step)
 }
 
 }  // namespace

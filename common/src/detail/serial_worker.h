@@ -23,12 +23,14 @@ class TaskWork : public compat::Work {
   TaskWork() : future_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {}
   /// Marks the work done, successfully when `error` is null.
   void complete(std::exception_ptr error) {
-    finish(error);
+    // The future first (its callbacks close the CommRecorder's record), then what wait() waits for, as c10d's own
+    // Gloo works do: a record is never still open when wait() returns.
     if (error) {
       future_->setError(error);
     } else {
       future_->markCompleted(c10::IValue());
     }
+    finish(error);
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 

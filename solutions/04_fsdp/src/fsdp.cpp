@@ -28,7 +28,9 @@
 // Once every trainable parameter of a unit has its gradient, every backward node that reads the unit's
 // parameters has run (each such node produces a contribution to one of those gradients), so the gathered
 // parameters can go at once. A frozen parameter has no accumulator to tell us, so a unit with one is freed only at
-// the end of backward.
+// the end of backward. The reasoning assumes the unit reads its parameters through autograd: a unit that saves a
+// `param.detach()` (or computes with a parameter under NoGradGuard) for its backward must freeze nothing and
+// cannot be freed early; such a unit is not supported.
 
 namespace shardlab::fsdp {
 namespace {
@@ -62,8 +64,15 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
                                     "one unit, or keep it in the root)");
     }
   }
+  // The unit a registration belongs to, from its name ("block0.fc.weight" is in unit "block0"); the root otherwise.
+  auto unit_by_name = [&](const std::string& key) {
+    for (size_t u = 0; u < slots.size(); ++u)
+      if (key.compare(0, slots[u].name.size() + 1, slots[u].name + ".") == 0) return u;
+    return root;
+  };
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups(root + 1);
   std::map<const c10::TensorImpl*, std::pair<size_t, size_t>> placed;
+  std::map<const c10::TensorImpl*, std::string> first_name;
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
     auto found = placed.find(impl);
@@ -71,15 +80,27 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
       auto it = unit_of.find(impl);
       const size_t u = it == unit_of.end() ? root : it->second;
       found = placed.emplace(impl, std::make_pair(u, groups[u].size())).first;
+      first_name.emplace(impl, item.key());
       groups[u].emplace_back(item.key(), item.value());
+    } else if (unit_by_name(item.key()) != unit_by_name(first_name[impl])) {
+      // Registered inside a unit and outside it: the outside use would read the unit's freed storage.
+      throw std::invalid_argument("FullyShardedModel: parameter '" + first_name[impl] + "' is also registered as '" +
+                                  item.key() + "', in another unit or the root; a unit's parameters are gathered "
+                                  "only while that unit runs. Keep a shared parameter in the root (the tiny GPT's "
+                                  "tied embedding) or in one unit that all its uses run in");
     }
     order_names_.push_back(item.key());
     order_.push_back(found->second);
   }
+  // Check every unit before changing any: a failure must leave the model as it was.
   for (size_t u = 0; u < root; ++u) {
     if (groups[u].empty())
       throw std::invalid_argument("FullyShardedModel: unit '" + slots[u].name +
                                   "' has no parameters; register it with register_module instead");
+    FsdpUnit::validate(slots[u].name, groups[u]);
+  }
+  if (!groups[root].empty()) FsdpUnit::validate("root", groups[root]);
+  for (size_t u = 0; u < root; ++u) {
     units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_));
   }
   has_root_ = !groups[root].empty();
@@ -235,7 +256,6 @@ void FullyShardedModel::launch_ready_reductions() {
     // frees its buffers before the next are allocated (see Note [One reduce-scatter in flight]).
     if (!pending_.empty()) pending_.back().wait();
     pending_.push_back(units_[u]->reduce_gradients(&unused_));
-    reduced_[u] = true;
   }
   // END SOLUTION
 }
@@ -277,6 +297,7 @@ void FullyShardedModel::end_of_backward() {
 
 void FullyShardedModel::settle_aborted_backward() {
   if (!readiness_->forget_pending_end()) return;
+  for (auto& unit : units_) unit->discard_unsharded_gradients();  // first: reductions in flight land nowhere
   for (auto& h : pending_) {
     try {
       h.wait();
@@ -295,7 +316,6 @@ void FullyShardedModel::reset_iteration() {
   missing_.assign(units_.size(), 0);
   for (size_t u = 0; u < units_.size(); ++u) missing_[u] = units_[u]->trainable_count();
   ready_.assign(watched_.size(), false);
-  reduced_.assign(units_.size(), false);
 }
 
 MemoryTheory FullyShardedModel::memory_theory() const {

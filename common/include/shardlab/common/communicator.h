@@ -21,6 +21,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -164,6 +165,7 @@ class Communicator {
   void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
   size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
   Handle ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  c10::intrusive_ptr<compat::Work> issue(const std::function<c10::intrusive_ptr<compat::Work>()>& call);
   Handle submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
                 const char* op, bool on_cpu);
 
@@ -176,6 +178,9 @@ class Communicator {
   int size_;
   ReduceScatterAlgorithm rs_algorithm_ = ReduceScatterAlgorithm::kAuto;
   uint64_t ring_sequence_ = 0;                   // ring collectives so far: the tag of the next one
+  // Issuing work on a c10d backend is not thread-safe (Gloo numbers its ops unguarded): the calling thread and the
+  // ring's worker issue under this lock. Waiting happens outside it.
+  std::shared_ptr<std::mutex> issuing_ = std::make_shared<std::mutex>();
   std::unique_ptr<detail::SerialWorker> ring_;   // runs the ring's steps off the calling thread; made on first use
 };
 

@@ -30,6 +30,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -129,6 +130,14 @@ class FsdpUnit {
   /// `missing` (when non-null). A collective.
   Handle reduce_gradients(std::vector<std::string>* missing);
 
+  /// Drops every unsharded gradient and accumulator, and makes reductions still in flight land nowhere (after a
+  /// backward that threw: nothing it left may reach the next step's gradients). Not a collective.
+  void discard_unsharded_gradients();
+
+  /// Throws what the constructor would throw for these parameters, building nothing (so a wrapper can check every
+  /// unit before it changes any). @throws std::invalid_argument as the constructor.
+  static void validate(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params);
+
   /// Every parameter's full values in the original dtype (fresh tensors, whatever the state), from one
   /// all-gather of the shards. A collective.
   std::vector<at::Tensor> gather_full_parameters();
@@ -157,6 +166,7 @@ class FsdpUnit {
   std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
   std::vector<int64_t> sharded_grad_bytes_;                     // ... and its bytes
   UnitState state_ = UnitState::kSharded;
+  uint64_t generation_ = 0;  // bumped by discard_unsharded_gradients: older reductions are dropped on arrival
 };
 
 }  // namespace shardlab::fsdp

@@ -160,7 +160,6 @@ class FullyShardedModel {
   size_t next_reduce_ = 0;              // next position of reduce_order_ to launch
   std::vector<size_t> missing_;         // per unit: trainable parameters whose gradient has not come
   std::vector<bool> ready_;             // per watched parameter
-  std::vector<bool> reduced_;           // per unit: reduce-scatter launched in this backward
   std::vector<Handle> pending_;         // reduce-scatters in flight
   std::vector<std::string> unused_;     // trainable parameters that got no gradient in this backward
   bool sync_enabled_ = true;
