@@ -52,19 +52,8 @@ const char* to_string(UnitState state) {
 FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
                    Communicator& comm, const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
     : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter) {
-  if (params.empty()) throw std::invalid_argument("FsdpUnit '" + name_ + "': expected parameters; got none");
+  validate(name_, params);
   const at::Tensor& first = params.front().second;
-  for (const auto& [pname, p] : params) {
-    auto fail = [&](const std::string& why) {
-      throw std::invalid_argument("FSDP unit '" + name_ + "': parameter '" + pname + "' (" + describe(p) + ") " + why);
-    };
-    if (p.dim() == 0) fail("is a scalar; FSDP shards on dim 0 and needs at least one dimension");
-    if (p.layout() != c10::kStrided) fail("is not a dense tensor");
-    if (!p.is_contiguous()) fail("is not contiguous; expected contiguous parameters");
-    if (p.scalar_type() != first.scalar_type() || p.device() != first.device())
-      fail("differs in dtype or device from '" + params.front().first + "' (" + describe(first) +
-           "); every parameter of a unit must share both");
-  }
   dtypes_ = resolve_dtypes(policy, first.scalar_type());
   const int world = comm_.size(), rank = comm_.rank();
   for (const auto& [pname, p] : params) {
@@ -104,6 +93,32 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   free_storage(gathered_);
   // END SOLUTION
   meter_.allocate(MemoryKind::kParams, sharded_bytes());
+}
+
+void FsdpUnit::validate(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  if (params.empty()) throw std::invalid_argument("FsdpUnit '" + name + "': expected parameters; got none");
+  const at::Tensor& first = params.front().second;
+  for (const auto& [pname, p] : params) {
+    auto fail = [&](const std::string& why) {
+      throw std::invalid_argument("FSDP unit '" + name + "': parameter '" + pname + "' (" + describe(p) + ") " + why);
+    };
+    if (p.dim() == 0) fail("is a scalar; FSDP shards on dim 0 and needs at least one dimension");
+    if (p.layout() != c10::kStrided) fail("is not a dense tensor");
+    if (!p.is_contiguous()) fail("is not contiguous; expected contiguous parameters");
+    if (p.scalar_type() != first.scalar_type() || p.device() != first.device())
+      fail("differs in dtype or device from '" + params.front().first + "' (" + describe(first) +
+           "); every parameter of a unit must share both");
+  }
+}
+
+void FsdpUnit::discard_unsharded_gradients() {
+  ++generation_;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    params_[k].param.mutable_grad().reset();
+    if (accumulated_[k].defined()) meter_.release(MemoryKind::kGrads, bytes_of(accumulated_[k]));
+    accumulated_[k] = at::Tensor();
+    release_gradient(k);
+  }
 }
 
 FsdpUnit::~FsdpUnit() {
@@ -261,8 +276,12 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   }
   // END SOLUTION
   Handle reduced = hook_(input.view({-1}), output);
-  return std::move(reduced).then([this, input, output, transient] {
+  return std::move(reduced).then([this, input, output, transient, generation = generation_] {
     torch::NoGradGuard no_grad;
+    if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
+      meter_.release(MemoryKind::kGrads, transient);
+      return;
+    }
     // BEGIN SOLUTION(04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
     for (auto& fp : params_) {
       if (!fp.trainable) continue;
