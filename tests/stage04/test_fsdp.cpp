@@ -12,6 +12,8 @@
 #include "support/device.h"
 #include "support/train_replica.h"
 
+#include "support/group.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -25,11 +27,7 @@ namespace {
 
 constexpr double kRtol = 1e-5, kAtol = 1e-6;
 
-GroupOptions test_group() {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(30'000);
-  return o;
-}
+using test_support::test_group;
 
 std::vector<at::Tensor> on_cpu(const std::vector<at::Tensor>& ts) {
   std::vector<at::Tensor> out;

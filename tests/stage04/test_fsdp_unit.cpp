@@ -6,6 +6,8 @@
 #include "shardlab/common/model.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/group.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
@@ -15,11 +17,7 @@
 namespace shardlab::fsdp {
 namespace {
 
-GroupOptions test_group() {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(30'000);
-  return o;
-}
+using test_support::test_group;
 
 // Uneven shapes (FSDP2's test shapes): dim 0 of 7 and 3 leaves padding at 2, 3 and 4 ranks, and an empty shard.
 struct TwoLayers : torch::nn::Module {
