@@ -96,6 +96,18 @@ void Handle::wait() {
   }
 }
 
+std::exception_ptr wait_all(std::vector<Handle>& handles) {
+  std::exception_ptr first;
+  for (auto& h : handles) {
+    try {
+      h.wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  return first;
+}
+
 Handle Handle::then(std::function<void()> next) && {
   std::function<void()> first = std::move(finish_);
   auto chained = [first = std::move(first), next = std::move(next), was_done = done_] {

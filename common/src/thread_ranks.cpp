@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <exception>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -14,13 +15,16 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, con
                                                   std::to_string(world_size));
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world_size);
+  // Every rank's group lives until every rank is done: Gloo's rendezvous is not a barrier, and a rank that finished
+  // first and closed its connections made a slower rank's rendezvous fail ("Connection closed by peer").
+  std::vector<std::shared_ptr<Communicator>> comms(world_size);
   std::vector<std::thread> threads;
   threads.reserve(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto comm = make_communicator(store, rank, world_size, "world", options);
-        fn(*comm);
+        comms[rank] = make_communicator(store, rank, world_size, "world", options);
+        fn(*comms[rank]);
       } catch (const std::exception& e) {
         errors[rank] = e.what();
       } catch (...) {
@@ -29,6 +33,7 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, con
     });
   }
   for (auto& t : threads) t.join();
+  comms.clear();
   for (int rank = 0; rank < world_size; ++rank)
     if (!errors[rank].empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + errors[rank]);
 }

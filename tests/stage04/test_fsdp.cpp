@@ -161,7 +161,7 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
       }
       // After backward: every unit sharded, no unsharded parameter or gradient storage left.
       for (const auto& unit : fsdp.units()) {
-        EXPECT_EQ(unit->state(), UnitState::kSharded) << unit->name();
+        EXPECT_EQ(unit->state(), UnitState::kSharded) << unit->name() << " is " << to_string(unit->state());
         EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
         for (const auto& fp : unit->params()) {
           EXPECT_EQ(storage_bytes(fp.param), 0) << fp.name;

@@ -14,13 +14,9 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
 }
 
 NaiveDDP::~NaiveDDP() {
-  // Collectives still in flight write into tensors we do not own any more: finish them first.
-  for (auto& h : pending_) {
-    try {
-      h.wait();
-    } catch (...) {  // a destructor must not throw; the error was (or will be) reported by backward
-    }
-  }
+  // Collectives still in flight write into tensors we do not own any more: finish them first (a destructor must not
+  // throw; backward reported, or will report, any error).
+  wait_all(pending_);
 }
 
 at::Tensor NaiveDDP::loss(const Batch& batch) {

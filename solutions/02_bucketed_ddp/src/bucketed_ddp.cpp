@@ -35,13 +35,9 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
 }
 
 BucketedDDP::~BucketedDDP() {
-  // Collectives still in flight write into buffers we are about to free: finish them first.
-  for (auto& h : handles_) {
-    try {
-      h.wait();
-    } catch (...) {  // a destructor must not throw; backward reported (or will report) the error
-    }
-  }
+  // Collectives still in flight write into buffers we are about to free: finish them first (a destructor must not
+  // throw; backward reported, or will report, any error).
+  wait_all(handles_);
 }
 
 at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {

@@ -89,7 +89,6 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
                                   "only while that unit runs. Keep a shared parameter in the root (the tiny GPT's "
                                   "tied embedding) or in one unit that all its uses run in");
     }
-    order_names_.push_back(item.key());
     order_.push_back(found->second);
   }
   // Check every unit before changing any: a failure must leave the model as it was.
@@ -133,12 +132,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
 }
 
 FullyShardedModel::~FullyShardedModel() {
-  for (auto& h : pending_) {
-    try {
-      h.wait();  // they write into the units' buffers
-    } catch (...) {  // a destructor must not throw; backward reported (or will report) the error
-    }
-  }
+  wait_all(pending_);  // they write into the units' buffers; backward reported (or will report) any error
   std::vector<Unit>& slots = model_->units();
   for (size_t u = 0; u < inner_forward_.size(); ++u) slots[u].forward = inner_forward_[u];
 }
@@ -260,12 +254,7 @@ void FullyShardedModel::end_of_backward() {
 void FullyShardedModel::settle_aborted_backward() {
   if (!readiness_->forget_pending_end()) return;
   for (auto& unit : units_) unit->discard_unsharded_gradients();  // first: reductions in flight land nowhere
-  for (auto& h : pending_) {
-    try {
-      h.wait();
-    } catch (...) {  // the aborted backward already reported its error
-    }
-  }
+  wait_all(pending_);  // the aborted backward already reported its error
   for (auto& unit : units_) unit->reshard();
   reset_iteration();
 }

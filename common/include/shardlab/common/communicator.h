@@ -24,11 +24,18 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace shardlab {
 
 /// Reduction applied by all_reduce and reduce_scatter.
 enum class ReduceOp { kSum, kAvg };
+
+class Handle;
+
+/// Waits for every handle, also after one of them failed (a collective still in flight writes into its tensors),
+/// and returns the first failure (null when all succeeded). For end-of-backward waits and destructors.
+std::exception_ptr wait_all(std::vector<Handle>& handles);
 
 /// Which c10d backend a Communicator runs on.
 enum class BackendKind { kGloo, kNccl };

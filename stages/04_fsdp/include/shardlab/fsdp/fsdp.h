@@ -151,7 +151,6 @@ class FullyShardedModel {
   std::vector<UnitForward> inner_forward_;         // each model unit's slot before we took it
   std::vector<at::Tensor> watched_;                // every trainable gathered parameter (GradientReadiness indices)
   std::vector<std::pair<size_t, size_t>> owner_;   // watched index -> (unit, index in the unit's params())
-  std::vector<std::string> order_names_;           // the model's parameter names, registration order
   std::vector<std::pair<size_t, size_t>> order_;   // registration order -> (unit, index in the unit)
 
   // One iteration (forward + backward); reset by reset_iteration().
