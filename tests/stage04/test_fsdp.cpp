@@ -20,6 +20,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <iostream>
+#include <set>
 #include <sstream>
 
 namespace shardlab::fsdp {
@@ -443,25 +444,32 @@ TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
   }
 }
 
-TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheModelUntouched) {
+TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFixItNamesTrains) {
   // A block that also registers the root's embedding: the root's use would read the block's freed storage.
   struct UsesShared : torch::nn::Module {
     explicit UsesShared(const at::Tensor& shared) { w = register_parameter("w", shared); }
     at::Tensor forward(const at::Tensor& x) { return at::matmul(x, w.t()); }
     at::Tensor w;
   };
+  // `in_unit`: the block is a unit (rejected); otherwise it stays in the root, the fix the error advises.
   struct Tied : Model {
-    Tied() {
+    explicit Tied(bool in_unit) {
       emb = register_module("emb", torch::nn::Linear(4, 4));
-      block = register_unit("block", std::make_shared<UsesShared>(emb->weight));
+      auto shared = std::make_shared<UsesShared>(emb->weight);
+      if (in_unit) block = register_unit("block", shared);
+      else plain = register_module("block", shared);
       init_parameters(*this, 1);
     }
-    at::Tensor loss(const Batch& b) override { return block(emb->forward(b.input)).pow(2).mean(); }
+    at::Tensor loss(const Batch& b) override {
+      const at::Tensor h = emb->forward(b.input);
+      return (plain ? plain->forward(h) : block(h)).pow(2).mean();
+    }
     torch::nn::Linear emb{nullptr};
     UnitRef<UsesShared> block;
+    std::shared_ptr<UsesShared> plain;
   };
   run_ranks(1, [&](Communicator& comm) {
-    auto model = std::make_shared<Tied>();
+    auto model = std::make_shared<Tied>(/*in_unit=*/true);
     const at::Tensor before = model->emb->weight.detach().clone();
     try {
       FullyShardedModel fsdp(model, comm);
@@ -473,6 +481,33 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheMo
     for (const auto& p : model->parameters()) EXPECT_GT(storage_bytes(p), 0) << "the model must be left as it was";
     EXPECT_TRUE(at::equal(model->emb->weight, before));
   }, test_group());
+
+  // The fix: the shared module in the root. Two ranks, one SGD step, against one device on the union batch.
+  Batch global;
+  global.input = at::linspace(-1.0, 1.0, 16).reshape({4, 4});
+  global.target = at::zeros({4}, at::kLong);  // unused by this loss; rank_slice slices it too
+  auto sgd_step = [](std::vector<at::Tensor> params) {  // each tensor once: the reference lists the tied one twice
+    torch::NoGradGuard no_grad;
+    std::set<const c10::TensorImpl*> done;
+    for (auto& p : params)
+      if (done.insert(p.unsafeGetTensorImpl()).second) p.sub_(p.grad() * 0.5);
+  };
+  auto ref = std::make_shared<Tied>(/*in_unit=*/false);
+  ref->loss(global).backward();
+  sgd_step(ref->parameters());
+  std::vector<std::vector<at::Tensor>> finals(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = std::make_shared<Tied>(/*in_unit=*/false);
+    FullyShardedModel fsdp(model, comm);
+    fsdp.loss(rank_slice(global, comm.rank(), comm.size())).backward();
+    sgd_step(fsdp.parameters());
+    finals[comm.rank()] = on_cpu(fsdp.full_parameters());
+  }, test_group());
+  for (int r = 0; r < 2; ++r) {
+    const double diff = max_abs_diff(finals[r], on_cpu(ref->parameters()));
+    std::cout << "shared module in the root, rank " << r << ": max |param - reference| = " << diff << "\n";
+    EXPECT_TRUE(all_close(finals[r], on_cpu(ref->parameters()), kRtol, kAtol)) << "rank " << r << " diff " << diff;
+  }
 }
 
 TEST(FullyShardedModel, EvaluationGathersAndFreesWithoutBackward) {
