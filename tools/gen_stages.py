@@ -11,7 +11,11 @@ In C++ sources (.h .hpp .cpp .cc) each marked region
 is replaced by exactly two lines at the BEGIN line's indentation:
 
     <indent>// TODO(stageNN): <what>
-    <indent>throw std::logic_error("not implemented: stage NN \u2014 <what>");
+    <indent>throw ::shardlab::NotImplemented("NN", "<what>");
+
+NotImplemented (shardlab/common/errors.h, which a file with such a region must
+include) is no std::logic_error, so a test that expects a user check cannot pass
+on a starter; its message is "not implemented: stage NN \u2014 <what>".
 
 `// BEGIN SOLUTION(NN, keep): <what>` leaves only the TODO line (no throw), for
 regions in void functions whose absence still compiles and merely fails tests.
@@ -36,6 +40,7 @@ STAGE_DIR = re.compile(r"^(\d\d)_.+$")
 ANY_MARKER = re.compile(r"^\s*//\s*(BEGIN|END) SOLUTION\b")
 BEGIN = re.compile(r"^(\s*)//\s*BEGIN SOLUTION\(\s*(\d+)\s*(,\s*keep\s*)?\):(.*)$")
 END = re.compile(r"^\s*//\s*END SOLUTION\s*$")
+ERRORS_INCLUDE = '"shardlab/common/errors.h"'
 BEGIN_FORM = "'// BEGIN SOLUTION(NN): <what>' or '// BEGIN SOLUTION(NN, keep): <what>'"
 GENERATED_MD = """# Generated files: do not edit
 
@@ -52,6 +57,7 @@ class GenError(Exception):
 def strip_regions(text, nn, where):
     """Return (new_text, regions_replaced) for one source file; raise GenError on bad markers."""
     out, regions, open_at = [], 0, None  # open_at: (line number, indent, what, keep, eol)
+    throws = False
     for num, raw in enumerate(text.split("\n"), 1):
         eol = "\r" if raw.endswith("\r") else ""
         line = raw[: len(raw) - len(eol)]
@@ -75,7 +81,8 @@ def strip_regions(text, nn, where):
             out.append(f"{indent}// TODO(stage{nn}): {what}{beol}")
             if not keep:
                 lit = what.replace("\\", "\\\\").replace('"', '\\"')  # what, as a C++ string literal
-                out.append(f'{indent}throw std::logic_error("not implemented: stage {nn} \u2014 {lit}");{beol}')
+                out.append(f'{indent}throw ::shardlab::NotImplemented("{nn}", "{lit}");{beol}')
+                throws = True
             regions, open_at = regions + 1, None
         elif ANY_MARKER.match(line):
             raise GenError(f"{where}:{num}: malformed marker: expected {BEGIN_FORM} "
@@ -85,6 +92,9 @@ def strip_regions(text, nn, where):
     if open_at:
         raise GenError(f"{where}:{open_at[0]}: BEGIN SOLUTION without END: expected "
                        f"'// END SOLUTION' before the end of the file")
+    if throws and ERRORS_INCLUDE not in text:
+        raise GenError(f"{where}:1: a region that throws needs the file to include "
+                       f"<{ERRORS_INCLUDE[1:-1]}> (NotImplemented); expected '#include {ERRORS_INCLUDE}', got none")
     return "\n".join(out), regions
 
 

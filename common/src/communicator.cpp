@@ -1,6 +1,7 @@
 #include "shardlab/common/communicator.h"
 
 #include "detail/serial_worker.h"
+#include "shardlab/common/errors.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -65,6 +66,12 @@ bool gloo_supports(c10::ScalarType t) {
 
 const char* reduce_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"; }
 
+// Tier 3 of Note [Three error tiers]: legal, but more bytes than the user may think.
+void warn_bf16_sent_as_f32(const char* op) {
+  warn_once("bf16 sent as f32", std::string(op) + ": this Gloo has no bf16, so bf16 tensors travel as f32 "
+                                "(twice the bytes) and are rounded back on arrival; see Note [Fallbacks]");
+}
+
 }  // namespace
 
 Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> finish, std::string what,
@@ -79,11 +86,24 @@ void Handle::wait() {
   auto finish = std::move(finish_);
   finish_ = nullptr;
   done_ = true;
+  const auto waited_from = std::chrono::steady_clock::now();
   try {
     if (work && !work->wait(timeout_)) throw std::runtime_error("the backend reported failure");
   } catch (const std::exception& e) {
-    error_ = std::make_exception_ptr(std::runtime_error(what_ + " failed or timed out after " +
-                                                        std::to_string(timeout_.count()) + " ms: " + e.what()));
+    // Which of the two: the limit ran out (a peer never came), or the backend failed at once (a peer's connection
+    // was reset, a peer threw). Gloo names its timeouts; a wait as long as the limit is one too.
+    const std::string why = e.what();
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                              waited_from);
+    const bool timed_out = waited >= timeout_ || why.find("imed out") != std::string::npos ||
+                           why.find("imeout") != std::string::npos;
+    const std::string limit = std::to_string(timeout_.count()) + " ms";
+    error_ = std::make_exception_ptr(std::runtime_error(
+        what_ + (timed_out ? " timed out (limit " + limit + "): "
+                           : " failed after " + std::to_string(waited.count()) + " ms, before its " + limit +
+                                 " limit (not a timeout: the backend reported an error, such as a peer's "
+                                 "connection reset): ") +
+        why));
     std::rethrow_exception(error_);
   }
   if (finish) {
@@ -217,6 +237,7 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   if (op == ReduceOp::kAvg && !is_floating(t.scalar_type()))
     throw std::invalid_argument(std::string("all_reduce: avg needs a floating dtype; got ") +
                                 c10::toString(t.scalar_type()));
+  if (bf16_fallback) warn_bf16_sent_as_f32("all_reduce");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
   c10d::AllreduceOptions opts;
   opts.reduceOp = (op == ReduceOp::kAvg && native_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
@@ -241,6 +262,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
     throw std::invalid_argument("broadcast: root must be in [0, " + std::to_string(size_) + "); got " +
                                 std::to_string(root));
   const bool bf16_fallback = !reduces_natively(t.scalar_type());
+  if (bf16_fallback) warn_bf16_sent_as_f32("broadcast");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
@@ -265,6 +287,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
                                 std::to_string(size_ * input.numel()) + " elements; got " +
                                 std::to_string(output.numel()));
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
+  if (bf16_fallback) warn_bf16_sent_as_f32("all_gather");
   at::Tensor wire_in = bf16_fallback ? input.to(c10::kFloat) : input;
   at::Tensor wire_out = bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat))
                                       : output.view({-1});
@@ -316,7 +339,16 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
                     (rs_algorithm_ == ReduceScatterAlgorithm::kAuto &&
                      ring_reduce_scatter_pays(size_, static_cast<int64_t>(input.numel() * input.element_size())));
   if (input.is_cpu() && ring) return ring_reduce_scatter(output, input, op);
+  const int64_t bytes = static_cast<int64_t>(input.numel() * input.element_size());
+  if (ring_reduce_scatter_pays(size_, bytes))
+    warn_once("reduce_scatter sent as all_reduce",
+              "reduce_scatter of " + std::to_string(bytes) + " bytes at " + std::to_string(size_) +
+                  " ranks sent as an all-reduce of the whole input (" +
+                  (input.is_cpu() ? std::string("ReduceScatterAlgorithm::kAllReduce was chosen")
+                                  : "the ring runs on CPU tensors only") +
+                  "): each rank receives the whole reduced input, world size times what it keeps; see Note [Fallbacks]");
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
+  if (bf16_fallback) warn_bf16_sent_as_f32("reduce_scatter");
   // See Note [Fallbacks]: all-reduce a private copy of the whole input, keep this rank's chunk.
   at::Tensor wire = bf16_fallback ? input.to(c10::kFloat) : input.clone();
   c10d::AllreduceOptions opts;
@@ -336,6 +368,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
 Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   // See Note [Ring reduce-scatter]. The ring works on a private copy (in f32 where Gloo cannot carry bf16).
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
+  if (bf16_fallback) warn_bf16_sent_as_f32("reduce_scatter");
   if (size_ > 4096) throw std::invalid_argument("reduce_scatter: the ring supports up to 4096 ranks");
   at::Tensor work = (bf16_fallback ? input.to(c10::kFloat) : input.clone()).view({size_, -1});
   const int64_t n = work.size(1);

@@ -15,7 +15,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gen_stages.py"
 
 SOLUTION_CPP = """\
-#include <stdexcept>
+#include "shardlab/common/errors.h"
 
 int add(int a, int b) {
     // BEGIN SOLUTION(07): add two ints
@@ -32,11 +32,11 @@ void fill(float* p, int n) {
 // trailing line without newline"""
 
 EXPECTED_CPP = """\
-#include <stdexcept>
+#include "shardlab/common/errors.h"
 
 int add(int a, int b) {
     // TODO(stage07): add two ints
-    throw std::logic_error("not implemented: stage 07 \u2014 add two ints");
+    throw ::shardlab::NotImplemented("07", "add two ints");
 }
 
 void fill(float* p, int n) {
@@ -148,6 +148,9 @@ class GenStagesTest(unittest.TestCase):
                           "empty <what>")
         self.expect_error("// BEGIN SOLUTION 07: a\n// END SOLUTION\n", 1, ["malformed marker"],
                           "malformed marker")
+        self.expect_error("int f() {\n  // BEGIN SOLUTION(07): a\n  return 1;\n  // END SOLUTION\n}\n", 1,
+                          ["shardlab/common/errors.h", "NotImplemented"],
+                          "a throwing region in a file without the errors header")
 
 
 if __name__ == "__main__":

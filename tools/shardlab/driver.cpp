@@ -23,14 +23,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Draws "[#####.....] k/K loss x" on stderr: in place on a terminal, at quarters otherwise.
+// Draws "[#####.....] k/K loss (global batch) x" on stderr: in place on a terminal, at quarters otherwise.
 class ProgressBar {
  public:
   ProgressBar(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
   void update(int done, int total, double loss) {
     const int width = 30, filled = total > 0 ? done * width / total : width;
     if (!tty_ && done != total && (done * 4 / total) == ((done - 1) * 4 / total)) return;
-    std::fprintf(stderr, "%s%-12s [%s%s] %d/%d  loss %.4f%s", tty_ ? "\r" : "", label_.c_str(),
+    std::fprintf(stderr, "%s%-12s [%s%s] %d/%d  loss (global batch) %.4f%s", tty_ ? "\r" : "", label_.c_str(),
                  std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(), done, total, loss,
                  tty_ && done < total ? "" : "\n");
     std::fflush(stderr);
@@ -103,13 +103,22 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   std::vector<std::string> argv{self_exe, "worker"};
   for (auto& a : to_args(o)) argv.push_back(a);
   ProgressBar bar(o.strategy);
+  // Every rank reports its loss on its slice; a step is drawn once all have, with their mean: the loss over the
+  // global batch (the slices are equal), the quantity the final table prints.
+  std::map<int, std::pair<int, double>> reported;  // step -> (ranks that reported it, sum of their losses)
   const LaunchResult result = launch(launch_options, argv, [&](int rank, const std::string& line) {
     int done = 0, total = 0;
     double loss = 0;
-    if (rank == 0 && std::sscanf(line.c_str(), "@@progress %d %d %lf", &done, &total, &loss) == 3)
-      bar.update(done, total, loss);
-    else
+    if (std::sscanf(line.c_str(), "@@progress %d %d %lf", &done, &total, &loss) == 3) {
+      auto& [count, sum] = reported[done];
+      sum += loss;
+      if (++count == ranks) {
+        bar.update(done, total, sum / ranks);
+        reported.erase(done);
+      }
+    } else {
       print_prefixed(rank, line);
+    }
   });
   if (result.exit_code != 0) throw std::runtime_error(o.strategy + " failed: " + result.message);
 
@@ -173,6 +182,7 @@ void print_report(const RunReport& r) {
             << r.train.global_batch << ", micro-batches " << r.train.micro_batches << ", " << r.train.optimizer
             << " lr " << r.train.lr << ", seed " << r.train.seed << ", " << r.train.device << " over " << r.backend
             << "\n\n"
+            << "  loss: over the global batch (the mean of the ranks' equal slices), as the progress bar shows it\n"
             << "  step        loss   reference   |difference|\n";
   for (size_t s = 0; s < r.losses.size(); ++s)
     std::cout << "  " << std::setw(4) << s << std::fixed << std::setprecision(6) << std::setw(12) << r.losses[s]
@@ -205,7 +215,8 @@ void print_comparison(const std::vector<RunReport>& reports) {
   if (reports.empty()) return;
   const auto& t = reports.front().train;
   std::cout << "\nshardlab compare: model " << t.model << ", global batch " << t.global_batch << ", " << t.steps
-            << " steps, " << t.optimizer << " lr " << t.lr << ", seed " << t.seed << "\n\n";
+            << " steps, " << t.optimizer << " lr " << t.lr << ", seed " << t.seed
+            << "; losses over the global batch\n\n";
   std::cout << std::left << std::setw(16) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
             << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
             << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)

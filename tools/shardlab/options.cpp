@@ -5,11 +5,16 @@
 #include "shardlab/common/device.h"
 #include "shardlab/common/model.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <sstream>
 #include <stdexcept>
 
 namespace shardlab::cli {
+
+namespace fs = std::filesystem;
 namespace {
 
 long parse_int(const std::string& flag, const std::string& value, long min, long max) {
@@ -109,6 +114,18 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     throw std::invalid_argument("--global-batch " + std::to_string(o.train.global_batch) +
                                 " must divide by world size x micro-batches = " +
                                 std::to_string(world * o.train.micro_batches));
+  if (!o.json.empty()) {  // checked now, not after the whole training
+    const fs::path file(o.json), dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
+    std::error_code ec;
+    if (fs::is_directory(file, ec))
+      throw std::invalid_argument("--json expects a file to write; got '" + o.json + "', a directory");
+    if (!fs::is_directory(dir, ec))
+      throw std::invalid_argument("--json expects a file in an existing directory; got '" + o.json +
+                                  "' (no directory '" + dir.string() + "')");
+    if (access(dir.c_str(), W_OK) != 0)
+      throw std::invalid_argument("--json expects a file in a directory it can write; got '" + o.json +
+                                  "' (directory '" + dir.string() + "' is not writable)");
+  }
   return o;
 }
 

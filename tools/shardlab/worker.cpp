@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 
 namespace shardlab::cli {
@@ -63,7 +64,9 @@ int run_worker(const RunOptions& options) {
     const auto t0 = std::chrono::steady_clock::now();
     losses.push_back(runner->step(local));
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    if (rank == 0) std::cout << "@@progress " << step + 1 << " " << o.train.steps << " " << losses.back() << std::endl;
+    // Every rank reports; the driver draws the mean (the global batch's loss). See run_strategy.
+    std::cout << "@@progress " << step + 1 << " " << o.train.steps << " " << std::setprecision(17) << losses.back()
+              << std::endl;
   }
 
   const int64_t last_step_ns = now_ns();

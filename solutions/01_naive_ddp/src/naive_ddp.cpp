@@ -1,5 +1,7 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
+#include "shardlab/common/errors.h"
+
 #include <stdexcept>
 
 namespace shardlab::naive_ddp {

@@ -1,5 +1,7 @@
 #include "shardlab/bucketed_ddp/bucket_plan.h"
 
+#include "shardlab/common/errors.h"
+
 #include <algorithm>
 #include <map>
 #include <stdexcept>

@@ -1,5 +1,6 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>
@@ -25,6 +26,13 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
     params_.push_back(item.value());
     names_.push_back(item.key());
   }
+  if (params_.empty())
+    throw std::invalid_argument("BucketedDDP: expected a model with at least one trainable parameter; got none");
+  for (size_t i = 1; i < params_.size(); ++i)  // the flat buffers live on one device (see lay_out)
+    if (params_[i].device() != params_.front().device())
+      throw std::invalid_argument("BucketedDDP: every trainable parameter must be on one device; '" + names_.front() +
+                                  "' is on " + params_.front().device().str() + ", '" + names_[i] + "' on " +
+                                  params_[i].device().str());
   naive_ddp::broadcast_state(*module_, comm_);
   // Before any backward the best guess of the ready order is the reverse of registration (last layer first).
   std::vector<size_t> order(params_.size());
@@ -78,6 +86,20 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
     }
   }
   // END SOLUTION
+  // Whatever built the layout, each parameter's slot must be a view of its bucket's buffer that can stand for its
+  // gradient, and the buckets must cover the buffers once (the reduction reads nothing else).
+  for (size_t i = 0; i < params_.size(); ++i)
+    SHARDLAB_INTERNAL_ASSERT(slots[i].defined() && slots[i].device() == params_[i].device() &&
+                                 slots[i].scalar_type() == params_[i].scalar_type() &&
+                                 slots[i].sizes() == params_[i].sizes(),
+                             "parameter '" + names_[i] + "' has no gradient slot of its device, dtype and shape");
+  for (const auto& [dtype, buffer] : buffers) {
+    int64_t covered = 0;
+    for (const auto& b : buckets) covered += b.dtype == dtype ? b.numel : 0;
+    SHARDLAB_INTERNAL_ASSERT(covered == buffer.numel(), "the " + std::string(c10::toString(dtype)) + " buffer has " +
+                                                            std::to_string(buffer.numel()) + " elements, its buckets " +
+                                                            std::to_string(covered));
+  }
   buffers_ = std::move(buffers);
   buckets_ = std::move(buckets);
   slots_ = std::move(slots);

@@ -1,5 +1,7 @@
 #include "shardlab/comm_hooks/comm_hook.h"
 
+#include "shardlab/common/errors.h"
+
 #include <ATen/ATen.h>
 
 #include <sstream>

@@ -1,5 +1,6 @@
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>

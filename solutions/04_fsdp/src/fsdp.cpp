@@ -1,5 +1,7 @@
 #include "shardlab/fsdp/fsdp.h"
 
+#include "shardlab/common/errors.h"
+
 #include <ATen/core/grad_mode.h>
 #include <c10/core/TensorImpl.h>
 

@@ -1,5 +1,6 @@
 #include "shardlab/fsdp/fsdp_unit.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>

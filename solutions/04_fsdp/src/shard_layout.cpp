@@ -1,5 +1,7 @@
 #include "shardlab/fsdp/shard_layout.h"
 
+#include "shardlab/common/errors.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>

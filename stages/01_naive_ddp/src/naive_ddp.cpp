@@ -1,5 +1,7 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
+#include "shardlab/common/errors.h"
+
 #include <stdexcept>
 
 namespace shardlab::naive_ddp {
@@ -26,24 +28,24 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
 
 void broadcast_state(Model& module, Communicator& comm) {
   // TODO(stage01): broadcast every parameter and buffer from rank 0
-  throw std::logic_error("not implemented: stage 01 — broadcast every parameter and buffer from rank 0");
+  throw ::shardlab::NotImplemented("01", "broadcast every parameter and buffer from rank 0");
 }
 
 void NaiveDDP::on_gradient_ready(size_t index) {
   // TODO(stage01): launch an asynchronous average of this parameter's gradient
-  throw std::logic_error("not implemented: stage 01 — launch an asynchronous average of this parameter's gradient");
+  throw ::shardlab::NotImplemented("01", "launch an asynchronous average of this parameter's gradient");
 }
 
 void NaiveDDP::finish_sync() {
   const int64_t start = now_ns();
   // TODO(stage01): wait for every all-reduce launched during this backward
-  throw std::logic_error("not implemented: stage 01 — wait for every all-reduce launched during this backward");
+  throw ::shardlab::NotImplemented("01", "wait for every all-reduce launched during this backward");
   comm_.recorder().record_wait("ddp sync", start, now_ns());  // exposed communication, for traces and benchmarks
 }
 
 NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) {
   // TODO(stage01): turn gradient synchronization off for this scope
-  throw std::logic_error("not implemented: stage 01 — turn gradient synchronization off for this scope");
+  throw ::shardlab::NotImplemented("01", "turn gradient synchronization off for this scope");
 }
 
 NoSync::~NoSync() { sync_enabled_ = previous_; }

@@ -1,5 +1,7 @@
 #include "shardlab/bucketed_ddp/bucket_plan.h"
 
+#include "shardlab/common/errors.h"
+
 #include <algorithm>
 #include <map>
 #include <stdexcept>
@@ -26,7 +28,7 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
 
   std::vector<std::vector<size_t>> buckets;
   // TODO(stage02): fill one open bucket per dtype, close it once it reaches its cap
-  throw std::logic_error("not implemented: stage 02 — fill one open bucket per dtype, close it once it reaches its cap");
+  throw ::shardlab::NotImplemented("02", "fill one open bucket per dtype, close it once it reaches its cap");
 
   // Sort by where each bucket starts in `order` (buckets of different dtypes interleave).
   std::vector<size_t> position(params.size());

@@ -1,5 +1,6 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>
@@ -25,6 +26,13 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
     params_.push_back(item.value());
     names_.push_back(item.key());
   }
+  if (params_.empty())
+    throw std::invalid_argument("BucketedDDP: expected a model with at least one trainable parameter; got none");
+  for (size_t i = 1; i < params_.size(); ++i)  // the flat buffers live on one device (see lay_out)
+    if (params_[i].device() != params_.front().device())
+      throw std::invalid_argument("BucketedDDP: every trainable parameter must be on one device; '" + names_.front() +
+                                  "' is on " + params_.front().device().str() + ", '" + names_[i] + "' on " +
+                                  params_[i].device().str());
   naive_ddp::broadcast_state(*module_, comm_);
   // Before any backward the best guess of the ready order is the reverse of registration (last layer first).
   std::vector<size_t> order(params_.size());
@@ -51,7 +59,21 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   std::map<c10::ScalarType, at::Tensor> buffers;   // dtype -> flat gradient buffer
   std::vector<at::Tensor> slots(params_.size());   // parameter -> its gradient slot (what .grad() is)
   // TODO(stage02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
-  throw std::logic_error("not implemented: stage 02 — lay the gradients out as views of one flat buffer per dtype, bucket after bucket");
+  throw ::shardlab::NotImplemented("02", "lay the gradients out as views of one flat buffer per dtype, bucket after bucket");
+  // Whatever built the layout, each parameter's slot must be a view of its bucket's buffer that can stand for its
+  // gradient, and the buckets must cover the buffers once (the reduction reads nothing else).
+  for (size_t i = 0; i < params_.size(); ++i)
+    SHARDLAB_INTERNAL_ASSERT(slots[i].defined() && slots[i].device() == params_[i].device() &&
+                                 slots[i].scalar_type() == params_[i].scalar_type() &&
+                                 slots[i].sizes() == params_[i].sizes(),
+                             "parameter '" + names_[i] + "' has no gradient slot of its device, dtype and shape");
+  for (const auto& [dtype, buffer] : buffers) {
+    int64_t covered = 0;
+    for (const auto& b : buckets) covered += b.dtype == dtype ? b.numel : 0;
+    SHARDLAB_INTERNAL_ASSERT(covered == buffer.numel(), "the " + std::string(c10::toString(dtype)) + " buffer has " +
+                                                            std::to_string(buffer.numel()) + " elements, its buckets " +
+                                                            std::to_string(covered));
+  }
   buffers_ = std::move(buffers);
   buckets_ = std::move(buckets);
   slots_ = std::move(slots);
@@ -147,7 +169,7 @@ void BucketedDDP::on_gradient_ready(size_t index) {
                                 "(backward with create_graph = true); double backward is not supported");
   attach_grad(index);  // a backward that replaced .grad instead of adding into it: move it into its slot
   // TODO(stage02): once per backward queue finish_sync (begin_backward); record the ready order; mark ready
-  throw std::logic_error("not implemented: stage 02 — once per backward queue finish_sync (begin_backward); record the ready order; mark ready");
+  throw ::shardlab::NotImplemented("02", "once per backward queue finish_sync (begin_backward); record the ready order; mark ready");
 }
 
 void BucketedDDP::mark_ready(size_t index) {
@@ -156,12 +178,12 @@ void BucketedDDP::mark_ready(size_t index) {
                            "' became ready twice in one synchronized backward; call loss() before each backward "
                            "and run extra backward passes inside no_sync()");
   // TODO(stage02): count the parameter off its bucket; launch buckets that are now complete
-  throw std::logic_error("not implemented: stage 02 — count the parameter off its bucket; launch buckets that are now complete");
+  throw ::shardlab::NotImplemented("02", "count the parameter off its bucket; launch buckets that are now complete");
 }
 
 void BucketedDDP::launch_ready_buckets() {
   // TODO(stage02): launch complete buckets strictly in order, so collectives match across ranks
-  throw std::logic_error("not implemented: stage 02 — launch complete buckets strictly in order, so collectives match across ranks");
+  throw ::shardlab::NotImplemented("02", "launch complete buckets strictly in order, so collectives match across ranks");
 }
 
 Handle BucketedDDP::reduce(const Bucket& bucket) {
@@ -178,7 +200,7 @@ void BucketedDDP::finish_sync() {
   // Unused parameters are reduced as they are even when they are an error below: another rank may have had every
   // gradient and be waiting for these buckets, and every rank must issue the same collectives to stay paired.
   // TODO(stage02): reduce the unused parameters as they are, then wait for every bucket
-  throw std::logic_error("not implemented: stage 02 — reduce the unused parameters as they are, then wait for every bucket");
+  throw ::shardlab::NotImplemented("02", "reduce the unused parameters as they are, then wait for every bucket");
   comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
   if (!unused.empty() && !options_.find_unused_parameters) {
     reset_iteration();
@@ -206,7 +228,7 @@ void BucketedDDP::rebuild_buckets() {
   rebuilt_ = true;
   std::vector<size_t> order;
   // TODO(stage02): rank 0 decides the order and broadcasts it; every rank lays its buckets out in it
-  throw std::logic_error("not implemented: stage 02 — rank 0 decides the order and broadcasts it; every rank lays its buckets out in it");
+  throw ::shardlab::NotImplemented("02", "rank 0 decides the order and broadcasts it; every rank lays its buckets out in it");
   lay_out(order);
 }
 

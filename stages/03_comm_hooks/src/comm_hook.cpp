@@ -1,5 +1,7 @@
 #include "shardlab/comm_hooks/comm_hook.h"
 
+#include "shardlab/common/errors.h"
+
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -76,7 +78,7 @@ double gradient_predivide_factor(int world_size) {
     throw std::invalid_argument("gradient_predivide_factor: expected a world size >= 1; got " +
                                 std::to_string(world_size));
   // TODO(stage03): FSDP's pre-divide rule (see Note [Pre- and post-division])
-  throw std::logic_error("not implemented: stage 03 — FSDP's pre-divide rule (see Note [Pre- and post-division])");
+  throw ::shardlab::NotImplemented("03", "FSDP's pre-divide rule (see Note [Pre- and post-division])");
 }
 
 DefaultState::DefaultState(Communicator& c)
@@ -88,13 +90,13 @@ DefaultState::DefaultState(Communicator& c)
 Handle allreduce_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output) {
   check_args("allreduce_hook", state, grad, output, Form::kAllReduce);
   // TODO(stage03): pre-divide grad, all-reduce (SUM) in place, post-divide in the handle's then step
-  throw std::logic_error("not implemented: stage 03 — pre-divide grad, all-reduce (SUM) in place, post-divide in the handle's then step");
+  throw ::shardlab::NotImplemented("03", "pre-divide grad, all-reduce (SUM) in place, post-divide in the handle's then step");
 }
 
 Handle reduce_scatter_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output) {
   check_args("reduce_scatter_hook", state, grad, output, Form::kReduceScatter);
   // TODO(stage03): pre-divide grad, reduce-scatter (SUM) into output, post-divide output in the then step
-  throw std::logic_error("not implemented: stage 03 — pre-divide grad, reduce-scatter (SUM) into output, post-divide output in the then step");
+  throw ::shardlab::NotImplemented("03", "pre-divide grad, reduce-scatter (SUM) into output, post-divide output in the then step");
 }
 
 namespace {
@@ -104,7 +106,7 @@ Handle low_precision_hook(const char* hook, c10::ScalarType prec, DefaultState& 
                           const at::Tensor& output) {
   check_args(hook, state, grad, output, Form::kAny);
   // TODO(stage03): cast to low precision, pre-divide, sum in low precision, post-divide and cast back on wait
-  throw std::logic_error("not implemented: stage 03 — cast to low precision, pre-divide, sum in low precision, post-divide and cast back on wait");
+  throw ::shardlab::NotImplemented("03", "cast to low precision, pre-divide, sum in low precision, post-divide and cast back on wait");
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>
@@ -162,12 +163,12 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
     fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " +
          std::to_string(input.numel()) + " elements, not a multiple of " + std::to_string(world));
   // TODO(stage03): send a large input at once, or copy a small one into its bucket (launching the bucket first when it is full)
-  throw std::logic_error("not implemented: stage 03 — send a large input at once, or copy a small one into its bucket (launching the bucket first when it is full)");
+  throw ::shardlab::NotImplemented("03", "send a large input at once, or copy a small one into its bucket (launching the bucket first when it is full)");
 }
 
 void ReduceScatterBucketer::flush() {
   // TODO(stage03): launch the partial buckets, wait for every collective in launch order, then run the callbacks and recycle the buffers
-  throw std::logic_error("not implemented: stage 03 — launch the partial buckets, wait for every collective in launch order, then run the callbacks and recycle the buffers");
+  throw ::shardlab::NotImplemented("03", "launch the partial buckets, wait for every collective in launch order, then run the callbacks and recycle the buffers");
 }
 
 void ReduceScatterBucketer::teardown() {

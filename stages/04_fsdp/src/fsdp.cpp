@@ -1,5 +1,7 @@
 #include "shardlab/fsdp/fsdp.h"
 
+#include "shardlab/common/errors.h"
+
 #include <ATen/core/grad_mode.h>
 #include <c10/core/TensorImpl.h>
 
@@ -187,18 +189,18 @@ void FullyShardedModel::pre_forward(size_t u) {
                            "' ran twice in one forward; each unit may run once per loss()");
   forward_order_.push_back(u);
   // TODO(stage04): the unit's parameters must hold their full values while its forward runs
-  throw std::logic_error("not implemented: stage 04 — the unit's parameters must hold their full values while its forward runs");
+  throw ::shardlab::NotImplemented("04", "the unit's parameters must hold their full values while its forward runs");
 }
 
 void FullyShardedModel::post_forward(size_t u, const at::Tensor& output) {
   // TODO(stage04): free after forward (raf) and make sure the unit is gathered again before its backward
-  throw std::logic_error("not implemented: stage 04 — free after forward (raf) and make sure the unit is gathered again before its backward");
+  throw ::shardlab::NotImplemented("04", "free after forward (raf) and make sure the unit is gathered again before its backward");
 }
 
 void FullyShardedModel::pre_backward(size_t u) {
   readiness_->expect_end_of_backward();
   // TODO(stage04): the unit's backward is next: its parameters must be gathered
-  throw std::logic_error("not implemented: stage 04 — the unit's backward is next: its parameters must be gathered");
+  throw ::shardlab::NotImplemented("04", "the unit's backward is next: its parameters must be gathered");
 }
 
 void FullyShardedModel::on_gradient_ready(size_t g) {
@@ -216,7 +218,7 @@ void FullyShardedModel::on_gradient_ready(size_t g) {
 
 void FullyShardedModel::on_unit_ready(size_t u) {
   // TODO(stage04): the unit's backward is done: free it, then keep (no_sync) or reduce its gradients in order
-  throw std::logic_error("not implemented: stage 04 — the unit's backward is done: free it, then keep (no_sync) or reduce its gradients in order");
+  throw ::shardlab::NotImplemented("04", "the unit's backward is done: free it, then keep (no_sync) or reduce its gradients in order");
 }
 
 void FullyShardedModel::launch_ready_reductions() {
@@ -229,14 +231,14 @@ void FullyShardedModel::launch_ready_reductions() {
         reduce_order_.push_back(u);
   }
   // TODO(stage04): launch every complete unit whose predecessors in reduce_order_ have all been launched
-  throw std::logic_error("not implemented: stage 04 — launch every complete unit whose predecessors in reduce_order_ have all been launched");
+  throw ::shardlab::NotImplemented("04", "launch every complete unit whose predecessors in reduce_order_ have all been launched");
 }
 
 void FullyShardedModel::end_of_backward() {
   const int64_t start = now_ns();
   std::exception_ptr error;
   // TODO(stage04): settle units whose gradients never all came, wait for every reduce-scatter, shard every unit
-  throw std::logic_error("not implemented: stage 04 — settle units whose gradients never all came, wait for every reduce-scatter, shard every unit");
+  throw ::shardlab::NotImplemented("04", "settle units whose gradients never all came, wait for every reduce-scatter, shard every unit");
   comm_.recorder().record_wait("fsdp sync", start, now_ns());
   std::vector<std::string> unused = std::move(unused_);
   reset_iteration();

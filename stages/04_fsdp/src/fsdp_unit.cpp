@@ -1,5 +1,6 @@
 #include "shardlab/fsdp/fsdp_unit.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>
@@ -81,7 +82,7 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
   gathered_ = at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
   // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots
-  throw std::logic_error("not implemented: stage 04 — copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots");
+  throw ::shardlab::NotImplemented("04", "copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots");
   meter_.allocate(MemoryKind::kParams, sharded_bytes());
 }
 
@@ -140,14 +141,14 @@ void FsdpUnit::begin_unshard() {
   if (state_ != UnitState::kSharded) return;
   torch::NoGradGuard no_grad;
   // TODO(stage04): regrow the gathered buffer, issue one all-gather of this rank's padded shards
-  throw std::logic_error("not implemented: stage 04 — regrow the gathered buffer, issue one all-gather of this rank's padded shards");
+  throw ::shardlab::NotImplemented("04", "regrow the gathered buffer, issue one all-gather of this rank's padded shards");
   meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes() + bytes_of(all_gather_out_) +
                                            (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0));
 }
 
 void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
   // TODO(stage04): copy-out: every rank's real rows of every parameter from its block into the full parameter
-  throw std::logic_error("not implemented: stage 04 — copy-out: every rank's real rows of every parameter from its block into the full parameter");
+  throw ::shardlab::NotImplemented("04", "copy-out: every rank's real rows of every parameter from its block into the full parameter");
 }
 
 void FsdpUnit::finish_unshard() {
@@ -169,7 +170,7 @@ void FsdpUnit::reshard() {
   if (state_ == UnitState::kUnsharding) finish_unshard();
   if (state_ == UnitState::kSharded) return;
   // TODO(stage04): free the gathered buffer's bytes; the unit is sharded again
-  throw std::logic_error("not implemented: stage 04 — free the gathered buffer's bytes; the unit is sharded again");
+  throw ::shardlab::NotImplemented("04", "free the gathered buffer's bytes; the unit is sharded again");
   meter_.release(MemoryKind::kParams, gathered_capacity_bytes());
 }
 
@@ -224,7 +225,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   const int64_t transient = bytes_of(input) + bytes_of(output);
   meter_.allocate(MemoryKind::kGrads, transient);
   // TODO(stage04): rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them
-  throw std::logic_error("not implemented: stage 04 — rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them");
+  throw ::shardlab::NotImplemented("04", "rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them");
   Handle reduced = hook_(input.view({-1}), output);
   return std::move(reduced).then([this, input, output, transient, generation = generation_] {
     torch::NoGradGuard no_grad;
@@ -233,7 +234,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
       return;
     }
     // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
-    throw std::logic_error("not implemented: stage 04 — this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
+    throw ::shardlab::NotImplemented("04", "this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
     count_sharded_gradients();
     meter_.release(MemoryKind::kGrads, transient);
   });

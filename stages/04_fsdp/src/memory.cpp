@@ -1,6 +1,7 @@
 #include "shardlab/fsdp/memory.h"
 
 #include "shardlab/common/comm_record.h"
+#include "shardlab/common/errors.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -26,10 +27,9 @@ void MemoryMeter::sample() {
 
 void MemoryMeter::release(MemoryKind kind, int64_t bytes) {
   int64_t& held = kind == MemoryKind::kParams ? stats_.param_bytes : stats_.grad_bytes;
-  if (bytes > held)
-    throw std::logic_error("MemoryMeter: releasing " + std::to_string(bytes) + " bytes of " +
-                           (kind == MemoryKind::kParams ? "parameters" : "gradients") + " while only " +
-                           std::to_string(held) + " are held (an accounting bug in the FSDP layer)");
+  SHARDLAB_INTERNAL_ASSERT(bytes <= held, "MemoryMeter: releasing " + std::to_string(bytes) + " bytes of " +
+                                              (kind == MemoryKind::kParams ? "parameters" : "gradients") +
+                                              " while only " + std::to_string(held) + " are held");
   held -= bytes;
   sample();
 }

@@ -1,5 +1,7 @@
 #include "shardlab/fsdp/shard_layout.h"
 
+#include "shardlab/common/errors.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -19,18 +21,18 @@ ShardSpec shard_spec(c10::IntArrayRef sizes, int world) {
   spec.sizes.assign(sizes.begin(), sizes.end());
   spec.world = world;
   // TODO(stage04): padded rows per rank (torch.chunk's chunk size) and elements per row
-  throw std::logic_error("not implemented: stage 04 — padded rows per rank (torch.chunk's chunk size) and elements per row");
+  throw ::shardlab::NotImplemented("04", "padded rows per rank (torch.chunk's chunk size) and elements per row");
   return spec;
 }
 
 int64_t ShardSpec::first_row_of(int rank) const {
   // TODO(stage04): the first row of rank's chunk, clamped to d0 (empty chunks start at the end)
-  throw std::logic_error("not implemented: stage 04 — the first row of rank's chunk, clamped to d0 (empty chunks start at the end)");
+  throw ::shardlab::NotImplemented("04", "the first row of rank's chunk, clamped to d0 (empty chunks start at the end)");
 }
 
 int64_t ShardSpec::rows_of(int rank) const {
   // TODO(stage04): real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows
-  throw std::logic_error("not implemented: stage 04 — real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows");
+  throw ::shardlab::NotImplemented("04", "real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows");
 }
 
 std::vector<int64_t> ShardSpec::shard_sizes(int rank) const {
@@ -48,7 +50,7 @@ void copy_in_shard(const ShardSpec& spec, const at::Tensor& full, int rank, cons
                                 std::to_string(spec.padded_numel()) + " elements; got " +
                                 std::to_string(padded.numel()));
   // TODO(stage04): the rank's real rows first, zeros after
-  throw std::logic_error("not implemented: stage 04 — the rank's real rows first, zeros after");
+  throw ::shardlab::NotImplemented("04", "the rank's real rows first, zeros after");
 }
 
 }  // namespace shardlab::fsdp

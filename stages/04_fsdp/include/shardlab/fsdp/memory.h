@@ -43,7 +43,7 @@ class MemoryMeter {
   static constexpr size_t kMaxSamples = 1 << 20;
   /// `bytes` more of `kind` are held.
   void allocate(MemoryKind kind, int64_t bytes);
-  /// `bytes` of `kind` were freed. @throws std::logic_error when more is freed than is held (an accounting bug).
+  /// `bytes` of `kind` were freed. @throws InternalError when more is freed than is held (an accounting bug).
   void release(MemoryKind kind, int64_t bytes);
   /// The counters.
   const MemoryStats& stats() const { return stats_; }
