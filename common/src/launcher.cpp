@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <set>
@@ -376,6 +377,11 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
                                                              {"GROUP_RANK", "0"},
                                                              {"MASTER_ADDR", options.master_addr},
                                                              {"MASTER_PORT", std::to_string(port)}};
+    // See Note [BLAS threads per rank]: as torchrun does, one compute thread per rank unless the user said.
+    if (std::getenv("OMP_NUM_THREADS") == nullptr &&
+        std::none_of(options.extra_env.begin(), options.extra_env.end(),
+                     [](const auto& kv) { return kv.first == "OMP_NUM_THREADS"; }))
+      vars.emplace_back("OMP_NUM_THREADS", "1");
     vars.insert(vars.end(), options.extra_env.begin(), options.extra_env.end());
     std::vector<std::string> env = rank_env(vars);
     std::vector<char*> c_env = c_strings(env);

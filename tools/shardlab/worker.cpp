@@ -1,6 +1,7 @@
 #include "run.h"
 #include "strategies.h"
 
+#include "shardlab/common/blas.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
 #include "shardlab/common/process_group.h"
@@ -50,7 +51,10 @@ int run_worker(const RunOptions& options) {
     rank = comm->rank();
     world = comm->size();
   }
-  if (o.threads > 0) at::set_num_threads(o.threads);
+  if (o.threads > 0) {  // libtorch's threads and, when the BLAS is OpenBLAS, its threads (Note [BLAS threads per rank])
+    at::set_num_threads(o.threads);
+    set_blas_threads(o.threads);
+  }
   auto runner = strategy.make(o.train, o.strategy_options, comm.get());
   Timeline timeline;
   runner->set_timeline(o.trace_dir.empty() ? nullptr : &timeline);

@@ -5,6 +5,8 @@
 /// when one rank exits non-zero or the whole job runs past its timeout, the others are killed and the result
 /// names the rank. SIGINT or SIGTERM to the launcher while it runs stops every rank the same way (exit code
 /// 128 + signal, failed_rank -1) instead of leaving them running. Used by `shardlab-run` and `shardlab train`.
+/// As torchrun does, every rank gets OMP_NUM_THREADS=1 unless the launcher's environment or extra_env sets it
+/// (see Note [BLAS threads per rank] in blas.h).
 
 #include <chrono>
 #include <functional>
