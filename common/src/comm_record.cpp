@@ -60,7 +60,7 @@ namespace {
 using Intervals = std::vector<std::pair<int64_t, int64_t>>;
 
 // Sorted, disjoint union of the given intervals clipped to [from, to).
-Intervals merged(Intervals v, int64_t from, int64_t to) {
+Intervals merged(const Intervals& v, int64_t from, int64_t to) {
   Intervals clipped;
   for (auto [a, b] : v) {
     a = std::max(a, from);
@@ -92,7 +92,7 @@ CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vect
   for (const auto& r : records)
     if (r.end_ns != 0) comm.emplace_back(r.start_ns, r.end_ns);
   for (const auto& w : waits) wait.emplace_back(w.start_ns, w.end_ns);
-  const Intervals c = merged(std::move(comm), from_ns, to_ns), w = merged(std::move(wait), from_ns, to_ns);
+  const Intervals c = merged(comm, from_ns, to_ns), w = merged(wait, from_ns, to_ns);
   CommTime t;
   t.busy_ns = length(c);
   // Two sorted disjoint lists: sweep for their intersection.

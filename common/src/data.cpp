@@ -96,6 +96,7 @@ std::vector<Batch> micro_batches(const Batch& batch, int count) {
                                 std::to_string(count) + " equal micro-batches");
   const int64_t each = batch.size() / count;
   std::vector<Batch> out;
+  out.reserve(count);
   for (int i = 0; i < count; ++i) out.push_back(batch.slice(i * each, each));
   return out;
 }

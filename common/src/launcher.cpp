@@ -153,6 +153,7 @@ std::vector<std::string> rank_env(const std::vector<std::pair<std::string, std::
 
 std::vector<char*> c_strings(std::vector<std::string>& strings) {
   std::vector<char*> out;
+  out.reserve(strings.size() + 1);
   for (auto& s : strings) out.push_back(s.data());
   out.push_back(nullptr);
   return out;

@@ -9,6 +9,8 @@ add_test(NAME package_consumer_build
           ${CMAKE_CTEST_COMMAND} --build-and-test ${CMAKE_CURRENT_SOURCE_DIR}/consumer ${_build}
           --build-generator ${CMAKE_GENERATOR}
           --build-options -DCMAKE_PREFIX_PATH=${_prefix} -DTorch_DIR=${Torch_DIR} -DCMAKE_BUILD_TYPE=Release
+                          # this build's flags: a sanitized shardlab (the asan preset) needs a sanitized consumer
+                          "-DCMAKE_CXX_FLAGS=${CMAKE_CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${CMAKE_EXE_LINKER_FLAGS}"
           --test-command ${_build}/shardlab_consumer)
 set_tests_properties(package_install PROPERTIES LABELS package TIMEOUT 120 FIXTURES_SETUP shardlab_installed)
 set_tests_properties(package_consumer_build PROPERTIES LABELS package TIMEOUT 300

@@ -22,7 +22,7 @@ class TaskWork : public compat::Work {
  public:
   TaskWork() : future_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {}
   /// Marks the work done, successfully when `error` is null.
-  void complete(std::exception_ptr error) {
+  void complete(const std::exception_ptr& error) {
     // The future first (its callbacks close the CommRecorder's record), then what wait() waits for, as c10d's own
     // Gloo works do: a record is never still open when wait() returns.
     if (error) {

@@ -89,7 +89,9 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
 void FsdpUnit::validate(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params) {
   if (params.empty()) throw std::invalid_argument("FsdpUnit '" + name + "': expected parameters; got none");
   const at::Tensor& first = params.front().second;
-  for (const auto& [pname, p] : params) {
+  for (const auto& item : params) {
+    const std::string& pname = item.first;
+    const at::Tensor& p = item.second;
     auto fail = [&](const std::string& why) {
       throw std::invalid_argument("FSDP unit '" + name + "': parameter '" + pname + "' (" + describe(p) + ") " + why);
     };
