@@ -1,0 +1,38 @@
+#!/usr/bin/env python3
+"""Every `Note [Name]` written in the sources is listed in docs/architecture.md, and every Note listed there exists.
+
+A Note is defined by a comment that starts with `Note [Name]` (after //, ///, or #); it is referred to elsewhere
+as `See Note [Name]`. Usage: check_notes.py <project root>
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+root = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
+files = subprocess.run(["git", "-C", str(root), "ls-files", "common", "solutions", "tools", "tests", "cmake", ".ci"],
+                       capture_output=True, text=True, check=True).stdout.split()
+definition = re.compile(r"^\s*(?://+|#)\s*Note \[([^\]]+)\]")
+defined = {}
+for f in files:
+    path = root / f
+    if not path.is_file():
+        continue
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        continue
+    for n, line in enumerate(lines, 1):
+        m = definition.match(line)
+        if m:
+            defined.setdefault(m.group(1), f"{f}:{n}")
+doc = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
+listed = set(re.findall(r"Note \[([^\]]+)\]", re.sub(r"\s+", " ", doc)))
+missing = sorted(set(defined) - listed)
+stale = sorted(n for n in listed - set(defined) if n != "Name")
+for name in missing:
+    print(f"check_notes: Note [{name}] ({defined[name]}) is not listed in docs/architecture.md")
+for name in stale:
+    print(f"check_notes: docs/architecture.md lists Note [{name}], which no source defines")
+print(f"check_notes: {len(defined)} Notes defined, {len(listed - {'Name'})} listed")
+sys.exit(1 if missing or stale else 0)
