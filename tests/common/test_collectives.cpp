@@ -74,8 +74,10 @@ TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
       if (c.rank() == 0)
         std::cout << GetParam() << " " << device_ << " " << c10::toString(dt) << ": max |sum err| " << sum_err
                   << ", max |avg err| " << avg_err << "\n";
-      EXPECT_TRUE(at::equal(s, want_sum)) << c10::toString(dt) << ": sum " << s << " differs by " << sum_err;
-      EXPECT_TRUE(at::equal(a, want_avg)) << c10::toString(dt) << ": average " << a << " differs by " << avg_err;
+      EXPECT_TRUE(at::equal(s, want_sum)) << c10::toString(dt) << ": sum differs from " << sum_1_to(world) << " by up to "
+                                          << sum_err;
+      EXPECT_TRUE(at::equal(a, want_avg)) << c10::toString(dt) << ": average differs from " << sum_1_to(world) / world
+                                          << " by up to " << avg_err;
     }
     auto recs = c.recorder().snapshot();
     ASSERT_EQ(recs.size(), 8u);
@@ -128,11 +130,16 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       // Integers times sum(1..w) <= 10, and their averages in halves: exact in every dtype, whatever the order.
       at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, on_device(at::kDouble)) *
                           sum_1_to(world);
-      EXPECT_TRUE(at::equal(mine, expect.to(dt))) << c10::toString(dt) << ": got " << mine << ", expected "
-                                                  << expect;
+      auto values = [](const at::Tensor& t) {
+        const at::Tensor d = t.to(at::kDouble).cpu();
+        return std::to_string(d[0].item<double>()) + ", " + std::to_string(d[1].item<double>());
+      };
+      EXPECT_TRUE(at::equal(mine, expect.to(dt)))
+          << c10::toString(dt) << ": sum chunk [" << values(mine) << "], expected [" << values(expect) << "]";
       EXPECT_TRUE(at::equal(mine_2d.view({-1}), mine)) << "the 2-D reduce_scatter gives the same chunk";
       EXPECT_TRUE(at::equal(mine_avg, (expect / world).to(dt)))
-          << c10::toString(dt) << ": average " << mine_avg << ", expected " << expect / world;
+          << c10::toString(dt) << ": average chunk [" << values(mine_avg) << "], expected [" << values(expect / world)
+          << "]";
       EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
     }
     // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as a ring of send/recv (CPU

@@ -60,6 +60,7 @@ def interrupt_stops_every_rank():
     global failures
     import os, signal
     marker = "sleep 100000.%d" % os.getpid()  # a command line no other process has
+    print("run  -n 2 -- sh -c 'echo ready; %s', then SIGINT once both ranks are ready" % marker, flush=True)
     p = subprocess.Popen([launcher, "-n", "2", "--", "sh", "-c", "echo ready; " + marker],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen, ready = [], set()
