@@ -36,12 +36,6 @@ size_t CommRecorder::size() const {
   return records_.size();
 }
 
-void CommRecorder::clear() {
-  std::lock_guard<std::mutex> lock(mu_);
-  records_.clear();
-  waits_.clear();
-}
-
 void CommRecorder::record_wait(std::string what, int64_t start_ns, int64_t end_ns) {
   std::lock_guard<std::mutex> lock(mu_);
   waits_.push_back({std::move(what), start_ns, end_ns});

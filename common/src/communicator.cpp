@@ -78,6 +78,28 @@ Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> fini
                std::chrono::milliseconds timeout)
     : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)), timeout_(timeout), done_(false) {}
 
+// Note [Overwriting a pending Handle]
+// A pending handle owns the collective's finish step (divide for AVG, copy back a cast, copy out a chunk): only
+// wait() runs it. Move-assigning onto a pending handle would drop that step silently, and the result would be wrong
+// with nothing to show for it (an AVG left as a SUM). The assignment could wait for it instead, but that hides a
+// blocking call (and its errors) inside an `=`. So it refuses: std::logic_error naming the op, like std::thread's
+// assignment refuses a joinable thread (which terminates). Nothing is moved in that case, so the pending handle can
+// still be waited for. Handles that are done (waited for, moved from, default) are overwritten freely, which is
+// all that containers do when they move elements around.
+Handle& Handle::operator=(Handle&& other) {
+  if (this == &other) return *this;
+  if (!done_)
+    throw std::logic_error("Handle: move-assigning onto a pending " + what_ +
+                           " would drop its finish step; expected a handle that is done (call wait() first)");
+  work_ = std::move(other.work_);
+  finish_ = std::move(other.finish_);
+  what_ = std::move(other.what_);
+  timeout_ = other.timeout_;
+  error_ = std::move(other.error_);
+  done_ = std::exchange(other.done_, true);
+  return *this;
+}
+
 void Handle::wait() {
   if (error_) std::rethrow_exception(error_);
   if (done_) return;

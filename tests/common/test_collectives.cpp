@@ -1,25 +1,23 @@
 // Tests of the Communicator on real Gloo process groups, ranks as threads: results, fallbacks, the collective
-// record, argument validation and timeouts.
+// record, asynchrony, the barrier, argument validation and timeouts; Handle's rules; comm_time.
 #include "shardlab/common/thread_ranks.h"
 #include "support/device.h"
+#include "support/group.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
-#include <iostream>
+#include <atomic>
 #include <future>
+#include <iostream>
 #include <mutex>
 #include <sstream>
 
 namespace shardlab {
 namespace {
 
-GroupOptions fast() {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(20'000);
-  return o;
-}
+using test_support::test_group;
 
 // One parametrization: `world` thread ranks on Gloo (tensors on the test device, see support/device.h), or one
 // rank on NCCL (tensors on cuda:0; skipped without a GPU).
@@ -38,7 +36,7 @@ class CollectivesByWorld : public ::testing::TestWithParam<GroupCase> {
     if (GetParam().kind == BackendKind::kNccl && !test_support::nccl_usable())
       GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
     device_ = GetParam().kind == BackendKind::kNccl ? c10::Device(c10::kCUDA, 0) : test_support::device();
-    options_ = fast();
+    options_ = test_group();
     options_.kind = GetParam().kind;
   }
   // Rank r's input: r+1 everywhere (so sums and averages are known in closed form).
@@ -68,13 +66,18 @@ TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
       hs.wait();
       ha.wait();
       EXPECT_EQ(s.scalar_type(), dt);
+      // Exact in every dtype for w <= 4: the sum w(w+1)/2 <= 10 and the average (w+1)/2 in halves.
+      const at::Tensor want_sum = at::full({10}, sum_1_to(world), s.options());
+      const at::Tensor want_avg = at::full({10}, sum_1_to(world) / world, a.options());
       const double sum_err = (s.to(at::kDouble) - sum_1_to(world)).abs().max().item<double>();
       const double avg_err = (a.to(at::kDouble) - sum_1_to(world) / world).abs().max().item<double>();
       if (c.rank() == 0)
         std::cout << GetParam() << " " << device_ << " " << c10::toString(dt) << ": max |sum err| " << sum_err
                   << ", max |avg err| " << avg_err << "\n";
-      EXPECT_EQ(sum_err, 0.0);
-      EXPECT_LE(avg_err, 1e-2);  // (w+1)/2 is exact in every dtype for w <= 4
+      EXPECT_TRUE(at::equal(s, want_sum)) << c10::toString(dt) << ": sum differs from " << sum_1_to(world) << " by up to "
+                                          << sum_err;
+      EXPECT_TRUE(at::equal(a, want_avg)) << c10::toString(dt) << ": average differs from " << sum_1_to(world) / world
+                                          << " by up to " << avg_err;
     }
     auto recs = c.recorder().snapshot();
     ASSERT_EQ(recs.size(), 8u);
@@ -124,11 +127,19 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
       c.reduce_scatter(mine_avg, full, ReduceOp::kAvg).wait();
       at::Tensor mine_2d = at::empty({1, 2}, full.options());
       c.reduce_scatter(mine_2d, full.view({world, 2}), ReduceOp::kSum).wait();  // shapes need not be flat
+      // Integers times sum(1..w) <= 10, and their averages in halves: exact in every dtype, whatever the order.
       at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, on_device(at::kDouble)) *
                           sum_1_to(world);
-      EXPECT_LE((mine.to(at::kDouble) - expect).abs().max().item<double>(), 1e-6);
+      auto values = [](const at::Tensor& t) {
+        const at::Tensor d = t.to(at::kDouble).cpu();
+        return std::to_string(d[0].item<double>()) + ", " + std::to_string(d[1].item<double>());
+      };
+      EXPECT_TRUE(at::equal(mine, expect.to(dt)))
+          << c10::toString(dt) << ": sum chunk [" << values(mine) << "], expected [" << values(expect) << "]";
       EXPECT_TRUE(at::equal(mine_2d.view({-1}), mine)) << "the 2-D reduce_scatter gives the same chunk";
-      EXPECT_LE((mine_avg.to(at::kDouble) - expect / world).abs().max().item<double>(), 0.05);
+      EXPECT_TRUE(at::equal(mine_avg, (expect / world).to(dt)))
+          << c10::toString(dt) << ": average chunk [" << values(mine_avg) << "], expected [" << values(expect / world)
+          << "]";
       EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
     }
     // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as a ring of send/recv (CPU
@@ -212,7 +223,7 @@ TEST(Collectives, RingReduceScatterEqualsTheAllReduceFallbackAndSendsNMinus1Over
         }
       }
       if (c.rank() == 0) std::cout << "world " << world << ": ring == all-reduce fallback\n";
-    }, fast());
+    }, test_group());
   }
 }
 
@@ -231,7 +242,7 @@ TEST(Collectives, RingReduceScattersInFlightTogetherKeepTheirMessagesApart) {
     for (auto& h : handles) h.wait();
     for (int i = 0; i < 6; ++i)
       EXPECT_TRUE(outs[i].eq(300.0 * i + 3).all().item<bool>()) << "reduce-scatter " << i << ": " << outs[i];
-  }, fast());
+  }, test_group());
 }
 
 TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
@@ -250,20 +261,73 @@ TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
     EXPECT_EQ(recs[0].wire_op, "all_reduce") << "48 bytes at 3 ranks";
     EXPECT_EQ(recs[1].wire_op, "reduce_scatter(ring)") << "3 MiB at 3 ranks";
     EXPECT_TRUE(out_large.eq(3).all().item<bool>());
-  }, fast());
+  }, test_group());
 }
 
+// all_reduce gives control back while the collective cannot have completed: rank 1 joins it only after rank 0 has
+// returned from issuing it and said so. A blocking all_reduce never returns on rank 0 (its peer is not there yet),
+// and fails by the group's timeout instead. wait() then makes the result visible.
 TEST(Collectives, AsyncWorkOverlapsTheCallingThread) {
-  // all_reduce returns before the result is there; wait() makes it visible.
-  run_ranks(2, [](Communicator& c) {
+  std::promise<void> issued;
+  std::shared_future<void> rank0_returned = issued.get_future().share();
+  run_ranks(2, [&](Communicator& c) {
     at::Tensor t = at::ones({1 << 16});
+    if (c.rank() == 1) {
+      rank0_returned.wait();
+      c.all_reduce(t).wait();
+      EXPECT_EQ(t[0].item<float>(), 2.0f);
+      return;
+    }
+    struct Release {  // however rank 0 leaves (a blocking all_reduce throws its timeout), rank 1 is released
+      std::promise<void>& p;
+      bool released = false;
+      void now() {
+        if (!released) p.set_value();
+        released = true;
+      }
+      ~Release() { now(); }
+    } release{issued};
     Handle h = c.all_reduce(t);
     EXPECT_FALSE(h.done());
+    EXPECT_EQ(c.recorder().snapshot().back().end_ns, 0) << "complete although rank 1 has not joined yet";
+    release.now();
     h.wait();
     EXPECT_TRUE(h.done());
     EXPECT_EQ(t[0].item<float>(), 2.0f);
+    EXPECT_GT(c.recorder().snapshot().back().end_ns, 0) << "wait() returns with the record closed";
     h.wait();  // a second wait is a no-op
-  }, fast());
+  }, test_group());
+}
+
+// barrier() returns on no rank before every rank has called it. Rank 1 holds back before calling it, until rank 0
+// has returned from its own barrier (which a barrier that does not block lets it do at once) or for a second at
+// most; rank 0 then checks that rank 1 had arrived. A correct barrier passes however long rank 1 holds back: the
+// hold-back only gives a barrier that does not wait the time to show it.
+TEST(Collectives, BarrierReturnsOnlyOnceEveryRankHasCalledIt) {
+  std::promise<void> returned;
+  std::shared_future<void> rank0_returned = returned.get_future().share();
+  std::atomic<bool> rank1_arrived{false};
+  bool arrived_when_rank0_returned = false, rank0_returned_first = false;
+  run_ranks(2, [&](Communicator& c) {
+    if (c.rank() == 1) {
+      rank0_returned_first = rank0_returned.wait_for(std::chrono::seconds(1)) == std::future_status::ready;
+      rank1_arrived = true;
+      c.barrier();
+    } else {
+      struct Release {
+        std::promise<void>& p;
+        ~Release() { p.set_value(); }
+      } release{returned};
+      c.barrier();
+      arrived_when_rank0_returned = rank1_arrived;
+    }
+    const auto recs = c.recorder().snapshot();
+    ASSERT_EQ(recs.size(), 1u);
+    EXPECT_EQ(recs[0].op, "barrier");
+    EXPECT_GT(recs[0].end_ns, 0) << "barrier() returns with its record closed";
+  }, test_group());
+  EXPECT_FALSE(rank0_returned_first) << "rank 0's barrier returned while rank 1 held back from calling barrier()";
+  EXPECT_TRUE(arrived_when_rank0_returned) << "rank 0's barrier returned before rank 1 had called barrier()";
 }
 
 TEST(Collectives, BadArgumentsThrowAtTheCallNamingWhatWasExpected) {
@@ -287,7 +351,7 @@ TEST(Collectives, BadArgumentsThrowAtTheCallNamingWhatWasExpected) {
     expect_message([&] { c.reduce_scatter(at::ones({2}), at::ones({3})); }, "elements");
     expect_message([&] { c.all_reduce(at::Tensor()); }, "undefined");
     EXPECT_EQ(c.recorder().size(), 0u) << "nothing may be submitted for a rejected call";
-  }, fast());
+  }, test_group());
 }
 
 TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
@@ -324,7 +388,7 @@ TEST(Collectives, RunRanksNamesTheFailingRank) {
   try {
     run_ranks(3, [](Communicator& c) {
       if (c.rank() == 2) throw std::runtime_error("boom");
-    }, fast());
+    }, test_group());
     FAIL() << "expected an exception";
   } catch (const std::runtime_error& e) {
     EXPECT_EQ(std::string(e.what()), "rank 2: boom");
@@ -357,6 +421,63 @@ TEST(Handle, FinishStepsRunOnceAndAFailureSticks) {
   after_done.wait();
   after_done.wait();
   EXPECT_EQ(later, 1);
+}
+
+// Moving onto a pending handle would drop its finish step (Note [Overwriting a pending Handle]): it throws, naming
+// the op, and leaves both handles as they were; onto a handle that is done it moves.
+TEST(Handle, MoveAssigningOntoAPendingHandleThrowsNamingItsOpAndMovesNothing) {
+  int first = 0, second = 0;
+  Handle pending(c10::intrusive_ptr<compat::Work>(), [&] { ++first; }, "all_reduce on group 'test' (rank 0 of 2)",
+                 std::chrono::milliseconds(1000));
+  Handle other(c10::intrusive_ptr<compat::Work>(), [&] { ++second; }, "broadcast on group 'test' (rank 0 of 2)",
+               std::chrono::milliseconds(1000));
+  try {
+    pending = std::move(other);
+    ADD_FAILURE() << "expected std::logic_error: the pending all_reduce's finish step would be lost";
+  } catch (const std::logic_error& e) {
+    std::cout << "rejected: " << e.what() << "\n";
+    EXPECT_NE(std::string(e.what()).find("all_reduce on group 'test' (rank 0 of 2)"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(pending.done()) << "the pending handle stays pending";
+  EXPECT_FALSE(other.done()) << "nothing was moved out of the source";
+  pending.wait();
+  EXPECT_EQ(first, 1) << "the finish step of the handle that was kept runs at its wait()";
+  pending = std::move(other);  // done now: it may be overwritten
+  EXPECT_TRUE(other.done()) << "the source of a move is a completed handle";
+  EXPECT_FALSE(pending.done());
+  pending.wait();
+  EXPECT_EQ(second, 1);
+  EXPECT_EQ(first, 1);
+}
+
+// comm_time: busy is the union of the closed collectives' spans, exposed the part of it inside the waits (their
+// union too), both clipped to the window; a pending collective (end 0) counts for nothing.
+TEST(CommTime, BusyIsTheUnionOfTheSpansAndExposedItsPartInsideTheWaitsWithinTheWindow) {
+  auto span = [](int64_t start, int64_t end) {
+    CollectiveRecord r;
+    r.op = "all_reduce";
+    r.start_ns = start;
+    r.end_ns = end;
+    return r;
+  };
+  auto wait = [](int64_t start, int64_t end) { return WaitRecord{"ddp sync", start, end}; };
+  // Window [100, 200). Collectives, out of order: [190, 250) is cut to [190, 200); [90, 120) and [110, 130)
+  // overlap: [100, 130); [150, 160); [170, pending) and [300, 400) count for nothing. Busy: 30 + 10 + 10 = 50.
+  const std::vector<CollectiveRecord> records{span(190, 250), span(110, 130), span(300, 400), span(90, 120),
+                                              span(150, 160), span(170, 0)};
+  // Waits: [115, 155) and [118, 125) (inside it, counted once) cover [115, 130) and [150, 155) of the busy time;
+  // [140, 145) covers none; [195, 205) covers [195, 200). Exposed: 15 + 5 + 5 = 25.
+  const std::vector<WaitRecord> waits{wait(195, 205), wait(115, 155), wait(140, 145), wait(118, 125)};
+  const CommTime t = comm_time(records, waits, 100, 200);
+  std::cout << "busy " << t.busy_ns << " (expected 50), exposed " << t.exposed_ns << " (expected 25)\n";
+  EXPECT_EQ(t.busy_ns, 50);
+  EXPECT_EQ(t.exposed_ns, 25);
+  const CommTime none = comm_time(records, waits, 400, 500);
+  EXPECT_EQ(none.busy_ns, 0) << "nothing in the window";
+  EXPECT_EQ(none.exposed_ns, 0);
+  const CommTime no_waits = comm_time(records, {}, 0, 1000);
+  EXPECT_EQ(no_waits.busy_ns, 40 + 10 + 60 + 100) << "[90, 130), [150, 160), [190, 250), [300, 400)";
+  EXPECT_EQ(no_waits.exposed_ns, 0) << "no wait: all of it hidden";
 }
 
 }  // namespace

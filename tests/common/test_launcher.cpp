@@ -1,18 +1,24 @@
 /// @file test_launcher.cpp
 /// Tests of launch() and pick_free_port(): environment per rank, output lines, fail-fast, timeout, no orphans.
-/// Ranks are /bin/sh one-liners; the "killed fast" checks use a generous 15 s bound as a hang guard only.
+/// Ranks are /bin/sh one-liners. No check reads a clock: ranks that must be killed block for longer than the
+/// test's ctest TIMEOUT, so a launcher that waited for them instead hangs the test and ctest fails it; ranks order
+/// their steps through files in a private directory (a rank fails only once the others are known to be running),
+/// and since launch() reaps every process of every rank before it returns (Note [Reaping a rank's whole group]),
+/// whatever must be dead is looked for at once.
 
 #include <gtest/gtest.h>
 #include <signal.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
-#include <fstream>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,13 +42,36 @@ struct Collector {
 
 std::vector<std::string> sh(const std::string& script) { return {"/bin/sh", "-c", script}; }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+void print_result(const LaunchResult& r) {
+  std::cout << "exit_code=" << r.exit_code << " failed_rank=" << r.failed_rank << " message='" << r.message << "'\n";
 }
 
-void print_result(const LaunchResult& r, double seconds) {
-  std::cout << "exit_code=" << r.exit_code << " failed_rank=" << r.failed_rank << " message='" << r.message
-            << "' elapsed=" << seconds << " s\n";
+// Longer than any test's ctest TIMEOUT: a rank that sleeps this long ends only by being killed.
+const std::string kForever = "sleep 100000";
+
+/// A private directory the ranks of one launch order their steps through, given to them as $SYNC; removed at the
+/// end of the test.
+struct SyncDir {
+  SyncDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "shardlab-launcher-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + pattern);
+    path = pattern;
+  }
+  ~SyncDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+  SyncDir(const SyncDir&) = delete;
+  SyncDir& operator=(const SyncDir&) = delete;
+  std::pair<std::string, std::string> env() const { return {"SYNC", path}; }
+  std::string path;
+};
+
+/// Shell: block until every file named in `names` exists in $SYNC.
+std::string wait_for_files(const std::vector<std::string>& names) {
+  std::string test;
+  for (const auto& n : names) test += (test.empty() ? "" : " && ") + std::string("[ -e \"$SYNC/") + n + "\" ]";
+  return "until " + test + "; do sleep 0.01; done; ";
 }
 
 TEST(Launcher, EveryRankSeesItsOwnEnvironment) {
@@ -55,7 +84,7 @@ TEST(Launcher, EveryRankSeesItsOwnEnvironment) {
                                 sh("echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE "
                                    "addr=$MASTER_ADDR port=$MASTER_PORT group=$GROUP_RANK extra=$SHARDLAB_TEST"),
                                 out.sink());
-  print_result(r, 0);
+  print_result(r);
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_EQ(r.failed_rank, -1);
   std::set<Line> expected;
@@ -94,33 +123,62 @@ TEST(Launcher, SplitsLinesMergesStderrAndFlushesPartialLastLine) {
   EXPECT_EQ(out.lines, expected);
 }
 
-TEST(Launcher, FailingRankIsNamedAndOthersAreKilledFast) {
+/// The pid each rank printed as its first line (rank -> pid).
+std::map<int, int> pids_of(const std::vector<Line>& lines) {
+  std::map<int, int> pids;
+  for (const auto& [rank, line] : lines)
+    if (!pids.count(rank) && !line.empty() && std::isdigit(static_cast<unsigned char>(line[0])))
+      pids[rank] = std::stoi(line);
+  return pids;
+}
+
+/// True while a process `pid` exists (a zombie included). launch() has reaped its ranks when it returns, so a rank
+/// that still exists then was never killed; it is killed here so that a failing test leaves nothing behind.
+bool still_exists(int pid) {
+  if (kill(pid, 0) != 0) return false;
+  kill(pid, SIGKILL);
+  return true;
+}
+
+TEST(Launcher, FailingRankIsNamedAndTheOthersAreKilled) {
+  // Ranks 0, 2, 3 print their pid, say they run, and block; rank 1 fails once all three run.
+  SyncDir sync;
   LaunchOptions options;
   options.nproc = 4;
+  options.extra_env = {sync.env()};
   Collector out;
-  const auto start = std::chrono::steady_clock::now();
-  const LaunchResult r =
-      launch(options, sh("if [ \"$RANK\" = 1 ]; then sleep 0.2; echo failing; exit 3; fi; sleep 30"), out.sink());
-  const double elapsed = seconds_since(start);
-  print_result(r, elapsed);
+  const LaunchResult r = launch(options,
+                                sh("if [ \"$RANK\" = 1 ]; then " + wait_for_files({"0", "2", "3"}) +
+                                   "echo failing; exit 3; fi; echo $$; touch \"$SYNC/$RANK\"; exec " + kForever),
+                                out.sink());
+  print_result(r);
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_EQ(r.failed_rank, 1);
   EXPECT_EQ(r.message, "rank 1 exited with code 3");
-  EXPECT_LT(elapsed, 15.0);
-  EXPECT_EQ(out.lines, (std::vector<Line>{{1, "failing"}}));
+  const auto pids = pids_of(out.lines);
+  EXPECT_EQ(pids.size(), 3u) << "ranks 0, 2 and 3 each print their pid";
+  for (const auto& [rank, pid] : pids) EXPECT_FALSE(still_exists(pid)) << "rank " << rank << " (pid " << pid << ")";
+  EXPECT_EQ(std::count(out.lines.begin(), out.lines.end(), Line{1, "failing"}), 1);
+  EXPECT_EQ(out.lines.size(), 4u);
 }
 
 TEST(Launcher, RankKilledBySignalIsNamed) {
+  SyncDir sync;
   LaunchOptions options;
   options.nproc = 2;
+  options.extra_env = {sync.env()};
   Collector out;
-  const auto start = std::chrono::steady_clock::now();
-  const LaunchResult r = launch(options, sh("if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; sleep 30"), out.sink());
-  print_result(r, seconds_since(start));
+  const LaunchResult r = launch(options,
+                                sh("if [ \"$RANK\" = 1 ]; then " + wait_for_files({"0"}) +
+                                   "kill -9 $$; fi; echo $$; touch \"$SYNC/0\"; exec " + kForever),
+                                out.sink());
+  print_result(r);
   EXPECT_EQ(r.exit_code, 128 + 9);
   EXPECT_EQ(r.failed_rank, 1);
   EXPECT_EQ(r.message, "rank 1 killed by signal 9");
-  EXPECT_LT(seconds_since(start), 15.0);
+  const auto pids = pids_of(out.lines);
+  ASSERT_EQ(pids.count(0), 1u) << "rank 0 prints its pid";
+  EXPECT_FALSE(still_exists(pids.at(0))) << "rank 0 is killed, not waited for";
 }
 
 TEST(Launcher, TimeoutNamesEveryRankStillRunning) {
@@ -128,27 +186,43 @@ TEST(Launcher, TimeoutNamesEveryRankStillRunning) {
   options.nproc = 3;
   options.timeout = std::chrono::milliseconds(500);
   Collector out;
-  const auto start = std::chrono::steady_clock::now();
-  const LaunchResult r = launch(options, sh("sleep 30"), out.sink());
-  const double elapsed = seconds_since(start);
-  print_result(r, elapsed);
+  const LaunchResult r = launch(options, sh("echo $$; exec " + kForever), out.sink());
+  print_result(r);
   EXPECT_EQ(r.exit_code, 124);
   EXPECT_EQ(r.failed_rank, 0);
   EXPECT_EQ(r.message, "timeout after 0.5 s: ranks 0, 1, 2 still running");
-  EXPECT_GE(elapsed, 0.5);
-  EXPECT_LT(elapsed, 15.0);
+  for (const auto& [rank, pid] : pids_of(out.lines))
+    EXPECT_FALSE(still_exists(pid)) << "rank " << rank << " (pid " << pid << ")";
 }
 
 TEST(Launcher, TimeoutNamesTheLowestRankStillRunning) {
+  // Ranks 0 and 1 write their pid and exit; rank 2 waits until both are gone from /proc (reaped: launch() knows
+  // they ended), says so, and blocks. A timeout after that line names rank 2 alone. A timeout that came first (a
+  // machine too loaded to start three shells in 2 s) may name 0 or 1 as well: then only what holds either way is
+  // checked, and the test says so.
+  SyncDir sync;
   LaunchOptions options;
   options.nproc = 3;
-  options.timeout = std::chrono::milliseconds(1000);
-  const auto start = std::chrono::steady_clock::now();
-  const LaunchResult r = launch(options, sh("if [ \"$RANK\" = 2 ]; then sleep 30; fi"), print_prefixed);
-  print_result(r, seconds_since(start));
+  options.timeout = std::chrono::milliseconds(2000);
+  options.extra_env = {sync.env()};
+  Collector out;
+  const LaunchResult r = launch(
+      options,
+      sh("if [ \"$RANK\" != 2 ]; then echo $$ > \"$SYNC/$RANK.tmp\"; mv \"$SYNC/$RANK.tmp\" \"$SYNC/$RANK\"; exit 0; "
+         "fi; " + wait_for_files({"0", "1"}) +
+         "for r in 0 1; do p=$(cat \"$SYNC/$r\"); while [ -e /proc/$p ]; do sleep 0.01; done; done; "
+         "echo 0 and 1 are gone; exec " + kForever),
+      out.sink());
+  print_result(r);
   EXPECT_EQ(r.exit_code, 124);
-  EXPECT_EQ(r.failed_rank, 2);
-  EXPECT_EQ(r.message, "timeout after 1 s: rank 2 still running");
+  const bool ordered = std::count(out.lines.begin(), out.lines.end(), Line{2, "0 and 1 are gone"}) == 1;
+  if (ordered) {
+    EXPECT_EQ(r.failed_rank, 2);
+    EXPECT_EQ(r.message, "timeout after 2 s: rank 2 still running");
+  } else {
+    std::cout << "the timeout came before ranks 0 and 1 were reaped: checking only that rank 2 is named\n";
+    EXPECT_NE(r.message.find("2 still running"), std::string::npos) << r.message;
+  }
 }
 
 TEST(Launcher, UnknownProgramExits127WithMessage) {
@@ -156,7 +230,7 @@ TEST(Launcher, UnknownProgramExits127WithMessage) {
   options.nproc = 1;
   Collector out;
   const LaunchResult r = launch(options, {"/nonexistent/shardlab-prog", "x"}, out.sink());
-  print_result(r, 0);
+  print_result(r);
   EXPECT_EQ(r.exit_code, 127);
   EXPECT_EQ(r.failed_rank, 0);
   EXPECT_EQ(
@@ -164,38 +238,30 @@ TEST(Launcher, UnknownProgramExits127WithMessage) {
       (std::vector<Line>{{0, "shardlab-run: cannot execute /nonexistent/shardlab-prog: No such file or directory"}}));
 }
 
+
 #ifdef __linux__
-/// True while `pid` exists and is not a zombie.
-bool alive(int pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const auto paren = text.rfind(')');
-  return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] != 'Z';
-}
-
-/// True if `pid` is still alive after up to 2 s (a SIGKILLed process takes a moment to go).
-bool survives(int pid) {
-  for (int i = 0; i < 200 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  return alive(pid);
-}
-
 TEST(Launcher, NoGrandchildSurvivesAFailedLaunch) {
+  SyncDir sync;
   LaunchOptions options;
   options.nproc = 2;
+  options.extra_env = {sync.env()};
   Collector out;
-  // Every rank starts a background sleep and prints its pid; rank 0 then fails.
-  const LaunchResult r =
-      launch(options, sh("sleep 30 & echo $!; if [ \"$RANK\" = 0 ]; then sleep 0.2; exit 1; fi; wait"), out.sink());
-  print_result(r, 0);
+  // Every rank starts a background sleep and prints its pid; rank 0 fails once rank 1 has printed its own.
+  const LaunchResult r = launch(options,
+                                sh(kForever + " & echo $!; if [ \"$RANK\" = 0 ]; then " + wait_for_files({"1"}) +
+                                   "exit 1; fi; touch \"$SYNC/1\"; wait"),
+                                out.sink());
+  print_result(r);
   EXPECT_EQ(r.failed_rank, 0);
   ASSERT_EQ(out.lines.size(), 2u);
-  for (const auto& line : out.lines) {
-    const int pid = std::stoi(line.second);
-    const bool survived = survives(pid);
-    std::cout << "rank " << line.first << "'s background sleep " << pid << " survived=" << survived << "\n";
-    EXPECT_FALSE(survived) << "pid " << pid << " of rank " << line.first;
+  for (const auto& [rank, line] : out.lines) {
+    const int pid = std::stoi(line);
+    const bool survived = still_exists(pid);
+    std::cout << "rank " << rank << "'s background sleep " << pid << " survived=" << survived << "\n";
+    EXPECT_FALSE(survived) << "pid " << pid << " of rank " << rank;
   }
 }
+#endif
 
 TEST(Launcher, ExceptionFromSinkKillsEveryRank) {
   LaunchOptions options;
@@ -205,14 +271,10 @@ TEST(Launcher, ExceptionFromSinkKillsEveryRank) {
     pids.push_back(std::stoi(line));
     throw std::runtime_error("sink failed");
   };
-  const auto start = std::chrono::steady_clock::now();
-  EXPECT_THROW(launch(options, sh("echo $$; exec sleep 30"), throwing), std::runtime_error);
-  std::cout << "launch threw after " << seconds_since(start) << " s\n";
-  EXPECT_LT(seconds_since(start), 15.0);
+  EXPECT_THROW(launch(options, sh("echo $$; exec " + kForever), throwing), std::runtime_error);
   ASSERT_EQ(pids.size(), 1u);
-  EXPECT_FALSE(survives(pids[0])) << "rank process " << pids[0];
+  EXPECT_FALSE(still_exists(pids[0])) << "rank process " << pids[0];
 }
-#endif
 
 TEST(Launcher, InvalidArgumentsThrow) {
   LaunchOptions options;

@@ -7,24 +7,23 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include "support/device.h"
+#include "support/gradients.h"
+#include "support/group.h"
+#include "support/no_sync.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <iostream>
-#include <map>
+#include <set>
 
 namespace shardlab::naive_ddp {
 namespace {
 
-constexpr double kRtol = 1e-5, kAtol = 1e-6;
+using test_support::test_group;
 
-GroupOptions test_group() {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(30'000);
-  return o;
-}
+constexpr double kRtol = 1e-5, kAtol = 1e-6;
 
 // One rank's training through NaiveDDP (see test_support::train_replica); returns the final parameters.
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
@@ -140,19 +139,32 @@ TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) 
   for (int r = 0; r < world; ++r) EXPECT_EQ(broadcasts[r], 7u);
 }
 
-// Structure: per step, one all-reduce (average) per parameter that received a gradient, of that parameter's size.
+// Structure: per step, one all-reduce (average) per parameter that received a gradient, of that parameter's size;
+// and it was that parameter's: its .grad() ends as the average of the ranks' own gradients (exact at 2 ranks, see
+// mean_of_two), which the all-reduce of another parameter cannot leave there. The edge model's `head.weight` and
+// `sometimes` have the same shape, so counting sizes alone would not tell which of them was reduced.
 TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
+  constexpr int kSteps = 4;
+  std::vector<std::string> names;  // trainable parameters, registration order
+  // [rank][step][parameter]: the rank's own gradient (undefined: no gradient this step), and .grad() after backward
+  std::vector<std::vector<std::vector<at::Tensor>>> own(2), synced(2);
   run_ranks(2, [&](Communicator& comm) {
     auto model = make_model("edge", 5);
     NaiveDDP ddp(model, comm);
     auto data = make_dataset("edge", 5);
     auto named = model->named_parameters();
     const at::Tensor frozen_before = named["frozen"].detach().clone();
-    auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.1);
-    for (int step = 0; step < 4; ++step) {
+    const auto params = trainable_parameters(*model);
+    if (comm.rank() == 0)
+      for (const auto& item : named)
+        if (item.value().requires_grad()) names.push_back(item.key());
+    auto opt = make_optimizer("sgd", params, 0.1);
+    for (int step = 0; step < kSteps; ++step) {
       compat::zero_grad(*opt);
+      const Batch batch = rank_slice(data->global_batch(step, 8), comm.rank(), 2);
+      own[comm.rank()].push_back(test_support::local_gradients(*model, batch, params));
       const size_t mark = comm.recorder().size();
-      ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2)).backward();
+      ddp.loss(batch).backward();
       auto recs = comm.recorder().since(mark);
       // Expected: every trainable parameter, except `sometimes` on odd steps (not used, so no gradient).
       std::multiset<int64_t> expected, seen;
@@ -170,10 +182,33 @@ TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
         std::cout << "step " << step << ": " << recs.size() << " all-reduces (expected " << expected.size()
                   << ")\n";
       EXPECT_EQ(seen, expected) << "step " << step;
+      std::vector<at::Tensor> grads;
+      for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+      synced[comm.rank()].push_back(grads);
       opt->step();
     }
     EXPECT_TRUE(at::equal(named["frozen"], frozen_before)) << "the frozen parameter never changes";
   }, test_group());
+  ASSERT_EQ(names.size(), 5u);
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t i = 0; i < names.size(); ++i) {
+      const at::Tensor& mine0 = own[0][step][i];
+      EXPECT_EQ(mine0.defined(), !(names[i] == "sometimes" && step % 2 == 1)) << names[i] << " step " << step;
+      for (int r = 0; r < 2; ++r) {
+        const at::Tensor& got = synced[r][step][i];
+        if (!mine0.defined()) {  // no gradient this step: nothing may have been written into it (zeroed before)
+          EXPECT_TRUE(!got.defined() || got.eq(0).all().item<bool>())
+              << names[i] << " step " << step << " rank " << r << ": got a gradient without using the parameter";
+          continue;
+        }
+        const at::Tensor want = test_support::mean_of_two(own[0][step][i], own[1][step][i]);
+        EXPECT_TRUE(at::equal(got, want))
+            << names[i] << " step " << step << " rank " << r << ": .grad() is not the average of the ranks' own "
+            << "gradients (max diff " << test_support::max_diff(got, want) << "; to this rank's own gradient "
+            << test_support::max_diff(got, own[r][step][i]) << ")";
+      }
+    }
+  }
 }
 
 TEST(NaiveDDP, TiedEmbeddingIsReducedOnce) {
@@ -191,25 +226,74 @@ TEST(NaiveDDP, TiedEmbeddingIsReducedOnce) {
   }, test_group());
 }
 
-TEST(NaiveDDP, NoSyncSkipsCommunicationAndLeavesGradientsLocal) {
-  std::vector<std::vector<at::Tensor>> grads(2);
+TEST(NaiveDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesTheAccumulatedGradients) {
+  test_support::expect_no_sync_contract("mlp", [](std::shared_ptr<Model> model, Communicator& comm) {
+    return std::make_unique<NaiveDDP>(std::move(model), comm);
+  });
+}
+
+// A backward that throws after some gradients were ready has launched their all-reduces, and its end-of-backward
+// callback (which waits for them and finishes them: Gloo has no AVG, the halving is the finish step) never runs.
+// The next forward settles them: when loss() returns, those gradients hold the average, and the next backward
+// synchronizes as usual.
+TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) {
+  std::vector<std::string> names;
+  // [rank][parameter]: own gradients of the aborted and of the next backward, and .grad() after each
+  std::vector<std::vector<at::Tensor>> own_aborted(2), own_next(2), settled(2), next(2);
+  std::vector<size_t> launched(2), waits(2);
   run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("mlp", 9);
+    auto model = make_model("mlp", 7);
     NaiveDDP ddp(model, comm);
-    auto data = make_dataset("mlp", 9);
+    auto data = make_dataset("mlp", 7);
+    const auto params = trainable_parameters(*model);
+    if (comm.rank() == 0)
+      for (const auto& item : model->named_parameters()) names.push_back(item.key());
+    const Batch aborted = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+    const Batch after = rank_slice(data->global_batch(1, 8), comm.rank(), 2);
+    own_aborted[comm.rank()] = test_support::local_gradients(*model, aborted, params);
+    own_next[comm.rank()] = test_support::local_gradients(*model, after, params);
+    // The first layer's weight is the last gradient backward reaches: the hook on it throws before it is
+    // accumulated, after the later layers' gradients were (and their all-reduces launched).
+    const unsigned hook = params.front().register_hook([](const at::Tensor&) -> at::Tensor {
+      throw std::runtime_error("injected failure in backward");
+    });
     const size_t mark = comm.recorder().size();
-    {
-      auto scope = ddp.no_sync();
-      EXPECT_FALSE(ddp.sync_enabled());
-      ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();
-    }
-    EXPECT_TRUE(ddp.sync_enabled());
-    EXPECT_EQ(comm.recorder().size(), mark) << "no collective inside no_sync";
-    for (const auto& p : model->parameters()) grads[comm.rank()].push_back(p.grad().clone());
+    EXPECT_THROW(ddp.loss(aborted).backward(), std::exception);
+    params.front().remove_hook(hook);
+    launched[comm.rank()] = comm.recorder().size() - mark;
+    const size_t waits_before = comm.recorder().waits().size();
+    ddp.loss(after);  // the forward settles; its graph is dropped
+    waits[comm.rank()] = comm.recorder().waits().size() - waits_before;
+    for (const auto& p : params) settled[comm.rank()].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    for (const auto& p : params)
+      if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
+    ddp.loss(after).backward();
+    for (const auto& p : params) next[comm.rank()].push_back(p.grad().clone());
   }, test_group());
-  const double diff = max_abs_diff(grads[0], grads[1]);
-  std::cout << "gradients after no_sync differ across ranks by up to " << diff << "\n";
-  EXPECT_GT(diff, 0.0);
+  size_t reduced = 0;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(waits[r], 1u) << "rank " << r << ": the forward waits once for what the aborted backward launched";
+    for (size_t i = 0; i < names.size(); ++i) {
+      const at::Tensor& got = settled[r][i];
+      if (!got.defined()) continue;  // backward threw before this gradient: nothing was launched for it
+      if (r == 0) ++reduced;
+      const at::Tensor want = test_support::mean_of_two(own_aborted[0][i], own_aborted[1][i]);
+      EXPECT_TRUE(at::equal(got, want))
+          << names[i] << " rank " << r << ": after the settling forward .grad() is not the average (max diff "
+          << test_support::max_diff(got, want) << "; to the sum of the ranks' gradients "
+          << test_support::max_diff(got, own_aborted[0][i] + own_aborted[1][i]) << ")";
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      const at::Tensor want = test_support::mean_of_two(own_next[0][i], own_next[1][i]);
+      EXPECT_TRUE(at::equal(next[r][i], want)) << names[i] << " rank " << r << ": the next backward's .grad() "
+                                               << "differs from the average by " << test_support::max_diff(next[r][i], want);
+    }
+  }
+  std::cout << "the aborted backward launched " << launched[0] << " all-reduces; " << reduced << " of "
+            << names.size() << " gradients were settled by the next forward\n";
+  EXPECT_EQ(launched[0], reduced) << "one all-reduce per gradient accumulated before the throw";
+  EXPECT_GT(reduced, 0u);
+  EXPECT_LT(reduced, names.size()) << "the throw came before the first layer's weight";
 }
 
 }  // namespace

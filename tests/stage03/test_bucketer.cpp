@@ -3,6 +3,7 @@
 // the sum, and teardown frees the buffers (or refuses while work is pending).
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
 #include "shardlab/common/thread_ranks.h"
+#include "support/group.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -15,11 +16,7 @@
 namespace shardlab::comm_hooks {
 namespace {
 
-GroupOptions test_group() {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(30'000);
-  return o;
-}
+using test_support::test_group;
 
 // Rank r's input number `i`: world * shard elements. Integer-valued by default, so sums in any order are exact
 // and results can be compared with at::equal at any world size; `normal` gives N(0, 1) values instead.

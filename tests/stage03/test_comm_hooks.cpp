@@ -8,6 +8,7 @@
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/device.h"
+#include "support/group.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -26,11 +27,7 @@ using bucketed_ddp::BucketedDDP;
 using bucketed_ddp::BucketReducer;
 using bucketed_ddp::Options;
 
-GroupOptions test_group() {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(30'000);
-  return o;
-}
+using test_support::test_group;
 
 c10::ScalarType hook_dtype(const std::string& hook) {
   return hook == "fp16" ? at::kHalf : hook == "bf16" ? at::kBFloat16 : at::kFloat;

@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <numeric>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -182,14 +182,37 @@ bucketed_ddp::Options ddp_options(const StrategyOptions& s, const std::string& m
   return o;
 }
 
+// How many buckets the cap rule of bucket_plan.h makes of `params` taken in reverse registration order. Counted
+// here from the rule as documented, not with stage 02's assign_buckets: the theory must come from somewhere else
+// than the code it checks, or a wrong cap rule would agree with itself. The rule: per dtype, gradients join the
+// open bucket in turn; a bucket closes once it holds at least its cap (first_bytes for the first bucket of each
+// dtype, bytes after), and whatever is still open at the end is one more bucket.
+int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const bucketed_ddp::BucketCaps& caps) {
+  struct Open {
+    int64_t bytes = 0;
+    size_t params = 0;
+    bool first = true;
+  };
+  std::map<c10::ScalarType, Open> open;
+  int64_t closed = 0;
+  for (auto p = params.rbegin(); p != params.rend(); ++p) {
+    Open& b = open[p->scalar_type()];
+    b.bytes += p->numel() * static_cast<int64_t>(p->element_size());
+    ++b.params;
+    if (b.bytes >= (b.first ? caps.first_bytes : caps.bytes)) {
+      ++closed;
+      b = Open{0, 0, false};
+    }
+  }
+  for (const auto& [dtype, b] : open) closed += b.params > 0 ? 1 : 0;
+  return closed;
+}
+
 // Bucketed DDP's traffic: one all-reduce per bucket (laid out in reverse registration order, as before the
 // rebuild; the rebuild keeps the count for these models), of the whole gradient.
 Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, double scale) {
-  const auto params = trainable_parameters(model);
-  std::vector<size_t> order(params.size());
-  std::iota(order.rbegin(), order.rend(), size_t{0});
-  const auto plan = bucketed_ddp::assign_buckets(params, order, caps(s));
-  return {static_cast<double>(plan.size()), payload_bytes(model, scale)};
+  const int64_t buckets = buckets_by_cap_rule(trainable_parameters(model), caps(s));
+  return {static_cast<double>(buckets), payload_bytes(model, scale)};
 }
 
 // A strategy that runs BucketedDDP with one of stage 03's hooks ("" = stage 02's plain all-reduce of the average).

@@ -53,8 +53,6 @@ class CommRecorder {
   std::vector<CollectiveRecord> since(size_t from) const;
   /// Number of records so far (use as a marker for `since`).
   size_t size() const;
-  /// Drops every record and every wait.
-  void clear();
 
   /// Appends a wait span (see WaitRecord).
   void record_wait(std::string what, int64_t start_ns, int64_t end_ns);

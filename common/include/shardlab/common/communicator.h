@@ -73,18 +73,14 @@ class Handle {
         timeout_(other.timeout_),
         error_(std::move(other.error_)),
         done_(std::exchange(other.done_, true)) {}
-  /// Moves the pending collective; the handle overwritten must not be pending (wait for it first).
-  Handle& operator=(Handle&& other) noexcept {
-    work_ = std::move(other.work_);
-    finish_ = std::move(other.finish_);
-    what_ = std::move(other.what_);
-    timeout_ = other.timeout_;
-    error_ = std::move(other.error_);
-    done_ = std::exchange(other.done_, true);
-    return *this;
-  }
+  /// Moves the pending collective; the source becomes a completed handle. The handle overwritten must be done
+  /// (waited for, moved from, or default-constructed): see Note [Overwriting a pending Handle] in communicator.cpp.
+  /// @throws std::logic_error naming the pending op when this handle is still pending; both handles are then left
+  ///         as they were.
+  Handle& operator=(Handle&& other);
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
+  /// Does not wait: a pending handle's finish step goes with it (owners wait first, e.g. with wait_all).
   ~Handle() = default;
 
   /// Blocks until the collective is complete and its result is in the caller's output tensor. The finish steps
@@ -136,8 +132,6 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return timeout_; }
   /// The log every collective of this rank is written to.
   CommRecorder& recorder() { return *recorder_; }
-  /// Shared ownership of the log (to hand to another Communicator of the same rank).
-  std::shared_ptr<CommRecorder> recorder_ptr() const { return recorder_; }
 
   /// True when this group's backend reduces `dtype` itself; false when the Communicator falls back to another
   /// wire dtype (Gloo 1.13: bfloat16 goes as float32, see Note [Fallbacks]). Tests and reports use it to know

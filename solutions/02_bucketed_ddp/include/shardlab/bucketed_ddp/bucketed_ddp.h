@@ -142,7 +142,6 @@ class BucketedDDP {
   size_t next_bucket_ = 0;             // next bucket to launch
   std::vector<size_t> ready_order_;    // the last synchronized backward that completed
   std::vector<size_t> backward_order_; // the synchronized backward running now
-  bool record_order_ = true;           // recording the order for the (one) rebuild
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
   bool in_sync_ = false;               // a synchronized backward launched work that finish_sync has not settled
