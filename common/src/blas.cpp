@@ -23,8 +23,7 @@ std::string blas_description() {
     return c.rfind("OpenBLAS", 0) == 0 ? c : "OpenBLAS " + c;
   }
   std::error_code ec;
-  const std::string lib =
-      std::filesystem::canonical("/usr/lib/x86_64-linux-gnu/libblas.so.3", ec).string();
+  const std::string lib = std::filesystem::canonical("/usr/lib/x86_64-linux-gnu/libblas.so.3", ec).string();
   if (ec || lib.find("/blas/") != std::string::npos) return "reference BLAS (netlib)";
   return "BLAS at " + lib;
 }

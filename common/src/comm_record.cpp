@@ -80,8 +80,8 @@ int64_t length(const Intervals& v) {
 
 }  // namespace
 
-CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vector<WaitRecord>& waits,
-                   int64_t from_ns, int64_t to_ns) {
+CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vector<WaitRecord>& waits, int64_t from_ns,
+                   int64_t to_ns) {
   Intervals comm, wait;
   for (const auto& r : records)
     if (r.end_ns != 0) comm.emplace_back(r.start_ns, r.end_ns);

@@ -68,8 +68,9 @@ const char* reduce_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "av
 
 // Tier 3 of Note [Three error tiers]: legal, but more bytes than the user may think.
 void warn_bf16_sent_as_f32(const char* op) {
-  warn_once("bf16 sent as f32", std::string(op) + ": this Gloo has no bf16, so bf16 tensors travel as f32 "
-                                "(twice the bytes) and are rounded back on arrival; see Note [Fallbacks]");
+  warn_once("bf16 sent as f32", std::string(op) +
+                                    ": this Gloo has no bf16, so bf16 tensors travel as f32 "
+                                    "(twice the bytes) and are rounded back on arrival; see Note [Fallbacks]");
 }
 
 }  // namespace
@@ -115,17 +116,18 @@ void Handle::wait() {
     // Which of the two: the limit ran out (a peer never came), or the backend failed at once (a peer's connection
     // was reset, a peer threw). Gloo names its timeouts; a wait as long as the limit is one too.
     const std::string why = e.what();
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
-                                                                              waited_from);
-    const bool timed_out = waited >= timeout_ || why.find("imed out") != std::string::npos ||
-                           why.find("imeout") != std::string::npos;
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - waited_from);
+    const bool timed_out =
+        waited >= timeout_ || why.find("imed out") != std::string::npos || why.find("imeout") != std::string::npos;
     const std::string limit = std::to_string(timeout_.count()) + " ms";
-    error_ = std::make_exception_ptr(std::runtime_error(
-        what_ + (timed_out ? " timed out (limit " + limit + "): "
-                           : " failed after " + std::to_string(waited.count()) + " ms, before its " + limit +
-                                 " limit (not a timeout: the backend reported an error, such as a peer's "
-                                 "connection reset): ") +
-        why));
+    error_ = std::make_exception_ptr(
+        std::runtime_error(what_ +
+                           (timed_out ? " timed out (limit " + limit + "): "
+                                      : " failed after " + std::to_string(waited.count()) + " ms, before its " + limit +
+                                            " limit (not a timeout: the backend reported an error, such as a peer's "
+                                            "connection reset): ") +
+                           why));
     std::rethrow_exception(error_);
   }
   if (finish) {
@@ -201,8 +203,8 @@ void Communicator::check_tensor(const at::Tensor& t, const char* what, const cha
   };
   if (!t.defined()) fail("is undefined; expected a tensor");
   if (t.layout() != c10::kStrided) fail("must be a dense (strided) tensor");
-  if (!t.is_contiguous()) fail("must be contiguous; got sizes " + c10::str(t.sizes()) + " strides " +
-                               c10::str(t.strides()));
+  if (!t.is_contiguous())
+    fail("must be contiguous; got sizes " + c10::str(t.sizes()) + " strides " + c10::str(t.strides()));
   if (kind_ == BackendKind::kNccl && !t.is_cuda()) fail("must be a CUDA tensor for NCCL; got " + t.device().str());
   if (kind_ == BackendKind::kGloo && !(t.is_cpu() || t.is_cuda()))
     fail("must be on CPU or CUDA for Gloo; got " + t.device().str());
@@ -305,14 +307,14 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
                                 c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
                                 c10::toString(input.scalar_type()) + "/" + input.device().str());
   if (output.numel() != size_ * input.numel())
-    throw std::invalid_argument("all_gather: output must have world_size * input.numel() = " +
-                                std::to_string(size_ * input.numel()) + " elements; got " +
-                                std::to_string(output.numel()));
+    throw std::invalid_argument(
+        "all_gather: output must have world_size * input.numel() = " + std::to_string(size_ * input.numel()) +
+        " elements; got " + std::to_string(output.numel()));
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
   if (bf16_fallback) warn_bf16_sent_as_f32("all_gather");
   at::Tensor wire_in = bf16_fallback ? input.to(c10::kFloat) : input;
-  at::Tensor wire_out = bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat))
-                                      : output.view({-1});
+  at::Tensor wire_out =
+      bf16_fallback ? at::empty({output.numel()}, output.options().dtype(c10::kFloat)) : output.view({-1});
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
   std::function<void()> finish;
@@ -342,9 +344,9 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
                                 c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
                                 c10::toString(input.scalar_type()) + "/" + input.device().str());
   if (input.numel() != size_ * output.numel())
-    throw std::invalid_argument("reduce_scatter: input must have world_size * output.numel() = " +
-                                std::to_string(size_ * output.numel()) + " elements; got " +
-                                std::to_string(input.numel()));
+    throw std::invalid_argument(
+        "reduce_scatter: input must have world_size * output.numel() = " + std::to_string(size_ * output.numel()) +
+        " elements; got " + std::to_string(input.numel()));
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));
@@ -363,12 +365,13 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   if (input.is_cpu() && ring) return ring_reduce_scatter(output, input, op);
   const int64_t bytes = static_cast<int64_t>(input.numel() * input.element_size());
   if (ring_reduce_scatter_pays(size_, bytes))
-    warn_once("reduce_scatter sent as all_reduce",
-              "reduce_scatter of " + std::to_string(bytes) + " bytes at " + std::to_string(size_) +
-                  " ranks sent as an all-reduce of the whole input (" +
-                  (input.is_cpu() ? std::string("ReduceScatterAlgorithm::kAllReduce was chosen")
-                                  : "the ring runs on CPU tensors only") +
-                  "): each rank receives the whole reduced input, world size times what it keeps; see Note [Fallbacks]");
+    warn_once(
+        "reduce_scatter sent as all_reduce",
+        "reduce_scatter of " + std::to_string(bytes) + " bytes at " + std::to_string(size_) +
+            " ranks sent as an all-reduce of the whole input (" +
+            (input.is_cpu() ? std::string("ReduceScatterAlgorithm::kAllReduce was chosen")
+                            : "the ring runs on CPU tensors only") +
+            "): each rank receives the whole reduced input, world size times what it keeps; see Note [Fallbacks]");
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
   if (bf16_fallback) warn_bf16_sent_as_f32("reduce_scatter");
   // See Note [Fallbacks]: all-reduce a private copy of the whole input, keep this rank's chunk.

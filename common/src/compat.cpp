@@ -1,8 +1,8 @@
 // The libtorch-version-specific half of compat.h. Keep every #if on TORCH_VERSION_* in this file pair.
 #include "shardlab/common/compat.h"
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/optim/optimizer.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -69,8 +69,9 @@ c10::intrusive_ptr<Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& sto
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 #else
   (void)store, (void)rank, (void)size, (void)timeout;
-  throw std::runtime_error("NCCL requested, but this shardlab was built against a libtorch without CUDA/NCCL; "
-                           "use Gloo (CPU tensors) or rebuild against a CUDA libtorch (see README)");
+  throw std::runtime_error(
+      "NCCL requested, but this shardlab was built against a libtorch without CUDA/NCCL; "
+      "use Gloo (CPU tensors) or rebuild against a CUDA libtorch (see README)");
 #endif
 }
 

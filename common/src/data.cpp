@@ -44,8 +44,7 @@ TextDataset::TextDataset(int64_t block, uint64_t seed) : block_(block), seed_(se
   const std::string& text = tiny_corpus();
   const std::string& vocab = corpus_vocab();
   std::vector<int64_t> ids(text.size());
-  std::transform(text.begin(), text.end(), ids.begin(),
-                 [&](char c) { return static_cast<int64_t>(vocab.find(c)); });
+  std::transform(text.begin(), text.end(), ids.begin(), [&](char c) { return static_cast<int64_t>(vocab.find(c)); });
   tokens_ = at::tensor(ids, at::kLong);
   if (tokens_.numel() <= block_ + 1)
     throw std::invalid_argument("TextDataset: corpus of " + std::to_string(tokens_.numel()) +

@@ -37,14 +37,14 @@ c10::Device device_for_rank(const c10::Device& requested, int local_rank) {
   if (gpus == 0)
     throw std::invalid_argument("device " + requested.str() + " requested, but " +
                                 (at::Context::hasCUDART() ? std::string("no GPU is visible (CUDA_VISIBLE_DEVICES?)")
-                                                 : std::string("this libtorch was built without CUDA")));
+                                                          : std::string("this libtorch was built without CUDA")));
   const int index = requested.has_index() ? requested.index() : local_rank;
   if (index < 0 || index >= gpus) {
     const std::string visible = "; " + std::to_string(gpus) + " visible, cuda:0..cuda:" + std::to_string(gpus - 1);
     if (requested.has_index())
       throw std::invalid_argument("device " + requested.str() + " is not a visible GPU" + visible);
-    throw std::invalid_argument("device cuda for LOCAL_RANK " + std::to_string(local_rank) + " means cuda:" +
-                                std::to_string(index) + ", not a visible GPU" + visible +
+    throw std::invalid_argument("device cuda for LOCAL_RANK " + std::to_string(local_rank) +
+                                " means cuda:" + std::to_string(index) + ", not a visible GPU" + visible +
                                 ": launch at most one process per GPU on each machine");
   }
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
@@ -53,8 +53,8 @@ c10::Device device_for_rank(const c10::Device& requested, int local_rank) {
 void set_current_device(const c10::Device& device) {
   if (device.is_cpu()) return;
   if (!device.has_index())
-    throw std::invalid_argument("set_current_device: expected a device with an index (cuda:N); got " +
-                                device.str() + " (device_for_rank gives this rank's)");
+    throw std::invalid_argument("set_current_device: expected a device with an index (cuda:N); got " + device.str() +
+                                " (device_for_rank gives this rank's)");
   c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
 }
 

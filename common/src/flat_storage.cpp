@@ -37,9 +37,7 @@ at::Tensor alias_slot(const at::Tensor& flat, int64_t offset, c10::IntArrayRef s
   return slot;
 }
 
-int64_t storage_bytes(const at::Tensor& t) {
-  return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
-}
+int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 
 void free_storage(const at::Tensor& t) {
   if (!t.defined()) return;

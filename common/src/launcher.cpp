@@ -80,7 +80,8 @@ class InterruptGuard {
   InterruptGuard& operator=(const InterruptGuard&) = delete;
 
  private:
-  struct sigaction old_int_ {}, old_term_ {};
+  struct sigaction old_int_ {
+  }, old_term_{};
 };
 
 constexpr auto kGracePeriod = std::chrono::seconds(3);      // SIGTERM -> SIGKILL

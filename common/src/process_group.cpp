@@ -20,8 +20,8 @@ int env_int(const char* name, int fallback, int min_value) {
   char* end = nullptr;
   const long v = std::strtol(raw, &end, 10);
   if (*end != '\0' || v < min_value || v > 1'000'000)
-    throw std::invalid_argument(std::string("environment variable ") + name + " must be an integer >= " +
-                                std::to_string(min_value) + "; got '" + raw + "'");
+    throw std::invalid_argument(std::string("environment variable ") + name +
+                                " must be an integer >= " + std::to_string(min_value) + "; got '" + raw + "'");
   return static_cast<int>(v);
 }
 
@@ -56,14 +56,12 @@ std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::S
   auto backend = options.kind == BackendKind::kNccl
                      ? compat::make_nccl(prefixed, rank, size, options.timeout)
                      : compat::make_gloo(prefixed, rank, size, options.timeout, options.hostname);
-  return std::make_shared<Communicator>(std::move(backend), options.kind, name, options.timeout,
-                                        std::move(recorder));
+  return std::make_shared<Communicator>(std::move(backend), options.kind, name, options.timeout, std::move(recorder));
 }
 
 std::shared_ptr<Communicator> communicator_from_env(const GroupOptions& options) {
   const RankEnv env = RankEnv::from_environment();
-  auto store = compat::make_tcp_store(env.master_addr, env.master_port, env.rank == 0, env.world_size,
-                                      options.timeout);
+  auto store = compat::make_tcp_store(env.master_addr, env.master_port, env.rank == 0, env.world_size, options.timeout);
   GroupOptions opts = options;
   // Across machines Gloo must bind to an address the others can reach.
   if (env.master_addr != "127.0.0.1" && env.master_addr != "localhost" && opts.hostname == "127.0.0.1")

@@ -18,8 +18,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
   if (name == "sgd")
     return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr).momentum(0.9));
   if (name == "adamw")
-    return std::make_unique<torch::optim::AdamW>(std::move(params),
-                                                 torch::optim::AdamWOptions(lr).weight_decay(0.01));
+    return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(lr).weight_decay(0.01));
   throw std::invalid_argument("unknown optimizer '" + name + "'; expected sgd or adamw");
 }
 
@@ -66,8 +65,8 @@ double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tens
   double worst = 0.0;
   for (size_t i = 0; i < a.size(); ++i) {
     if (!a[i].sizes().equals(b[i].sizes()))
-      throw std::invalid_argument("max_abs_diff: tensor " + std::to_string(i) + " has shape " +
-                                  c10::str(a[i].sizes()) + " vs " + c10::str(b[i].sizes()));
+      throw std::invalid_argument("max_abs_diff: tensor " + std::to_string(i) + " has shape " + c10::str(a[i].sizes()) +
+                                  " vs " + c10::str(b[i].sizes()));
     if (a[i].numel() == 0) continue;
     const at::Tensor d = a[i].detach().to(at::kDouble).cpu() - b[i].detach().to(at::kDouble).cpu();
     worst = std::max(worst, d.abs().max().item<double>());

@@ -11,8 +11,8 @@
 namespace shardlab {
 
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, const GroupOptions& options) {
-  if (world_size < 1) throw std::invalid_argument("run_ranks: world_size must be >= 1; got " +
-                                                  std::to_string(world_size));
+  if (world_size < 1)
+    throw std::invalid_argument("run_ranks: world_size must be >= 1; got " + std::to_string(world_size));
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world_size);
   // Every rank's group lives until every rank is done: Gloo's rendezvous is not a barrier, and a rank that finished

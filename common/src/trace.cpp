@@ -80,9 +80,9 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<Tra
     lane_end[lane] = c.end_ns;
     std::ostringstream args;
     args << "\"index\": " << i << ", \"op\": " << quoted(c.op) << ", \"wire_op\": " << quoted(c.wire_op)
-         << ", \"dtype\": " << quoted(c10::toString(c.dtype)) << ", \"wire_dtype\": "
-         << quoted(c10::toString(c.wire_dtype)) << ", \"numel\": " << c.numel << ", \"bytes\": " << c.bytes
-         << ", \"group\": " << quoted(c.group) << ", \"reduce\": " << quoted(c.reduce);
+         << ", \"dtype\": " << quoted(c10::toString(c.dtype))
+         << ", \"wire_dtype\": " << quoted(c10::toString(c.wire_dtype)) << ", \"numel\": " << c.numel
+         << ", \"bytes\": " << c.bytes << ", \"group\": " << quoted(c.group) << ", \"reduce\": " << quoted(c.reduce);
     event(out, first, c.op, "comm", rank, static_cast<int>(2 + lane), c.start_ns, c.end_ns, args.str());
   }
   for (const auto& c : counters) {

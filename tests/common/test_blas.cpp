@@ -53,8 +53,10 @@ TEST(Blas, TheLauncherGivesEveryRankOneThreadUnlessTheUserChose) {
   for (const auto& [rank, line] : omp_threads_of_ranks(options)) EXPECT_EQ(line, "omp=5") << "rank " << rank;
   EXPECT_EQ(omp_threads_of_ranks(options).size(), 2u);
 
-  if (saved == nullptr) unsetenv("OMP_NUM_THREADS");
-  else setenv("OMP_NUM_THREADS", restore.c_str(), 1);
+  if (saved == nullptr)
+    unsetenv("OMP_NUM_THREADS");
+  else
+    setenv("OMP_NUM_THREADS", restore.c_str(), 1);
 }
 
 }  // namespace

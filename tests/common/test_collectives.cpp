@@ -53,127 +53,136 @@ double sum_1_to(int w) { return w * (w + 1) / 2.0; }
 
 // What Gloo does itself, stated here independently of compat::gloo_features() on purpose, so that a wrong version
 // gate there fails here. Probed: 1.13 has neither bf16 nor the flat all-gather; 2.6 has both (CPU tensors).
-constexpr bool kGlooBf16AndFlatAllGather =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6);
+constexpr bool kGlooBf16AndFlatAllGather = TORCH_VERSION_MAJOR > 2 ||
+                                           (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6);
 
 TEST_P(CollectivesByWorld, AllReduceSumAndAvgForEveryDtype) {
   const int world = GetParam().world;
-  run_ranks(world, [&](Communicator& c) {
-    for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
-      at::Tensor s = rank_tensor(c, 10, dt), a = rank_tensor(c, 10, dt);
-      auto hs = c.all_reduce(s, ReduceOp::kSum);
-      auto ha = c.all_reduce(a, ReduceOp::kAvg);
-      hs.wait();
-      ha.wait();
-      EXPECT_EQ(s.scalar_type(), dt);
-      // Exact in every dtype for w <= 4: the sum w(w+1)/2 <= 10 and the average (w+1)/2 in halves.
-      const at::Tensor want_sum = at::full({10}, sum_1_to(world), s.options());
-      const at::Tensor want_avg = at::full({10}, sum_1_to(world) / world, a.options());
-      const double sum_err = (s.to(at::kDouble) - sum_1_to(world)).abs().max().item<double>();
-      const double avg_err = (a.to(at::kDouble) - sum_1_to(world) / world).abs().max().item<double>();
-      if (c.rank() == 0)
-        std::cout << GetParam() << " " << device_ << " " << c10::toString(dt) << ": max |sum err| " << sum_err
-                  << ", max |avg err| " << avg_err << "\n";
-      EXPECT_TRUE(at::equal(s, want_sum)) << c10::toString(dt) << ": sum differs from " << sum_1_to(world) << " by up to "
-                                          << sum_err;
-      EXPECT_TRUE(at::equal(a, want_avg)) << c10::toString(dt) << ": average differs from " << sum_1_to(world) / world
-                                          << " by up to " << avg_err;
-    }
-    auto recs = c.recorder().snapshot();
-    ASSERT_EQ(recs.size(), 8u);
-    for (const auto& r : recs) {
-      EXPECT_EQ(r.op, "all_reduce");
-      EXPECT_EQ(r.numel, 10);
-      EXPECT_EQ(r.group, "world");
-      EXPECT_GT(r.end_ns, 0);
-      EXPECT_GE(r.end_ns, r.start_ns);
-      // On Gloo 1.13 bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
-      const bool native = c.kind() == BackendKind::kNccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
-      EXPECT_EQ(c.reduces_natively(r.dtype), native) << c10::toString(r.dtype);
-      EXPECT_EQ(r.bytes, native ? 10 * static_cast<int64_t>(c10::elementSize(r.dtype)) : 40)
-          << c10::toString(r.dtype);
-      EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat);
-    }
-  }, options_);
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        for (auto dt : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+          at::Tensor s = rank_tensor(c, 10, dt), a = rank_tensor(c, 10, dt);
+          auto hs = c.all_reduce(s, ReduceOp::kSum);
+          auto ha = c.all_reduce(a, ReduceOp::kAvg);
+          hs.wait();
+          ha.wait();
+          EXPECT_EQ(s.scalar_type(), dt);
+          // Exact in every dtype for w <= 4: the sum w(w+1)/2 <= 10 and the average (w+1)/2 in halves.
+          const at::Tensor want_sum = at::full({10}, sum_1_to(world), s.options());
+          const at::Tensor want_avg = at::full({10}, sum_1_to(world) / world, a.options());
+          const double sum_err = (s.to(at::kDouble) - sum_1_to(world)).abs().max().item<double>();
+          const double avg_err = (a.to(at::kDouble) - sum_1_to(world) / world).abs().max().item<double>();
+          if (c.rank() == 0)
+            std::cout << GetParam() << " " << device_ << " " << c10::toString(dt) << ": max |sum err| " << sum_err
+                      << ", max |avg err| " << avg_err << "\n";
+          EXPECT_TRUE(at::equal(s, want_sum))
+              << c10::toString(dt) << ": sum differs from " << sum_1_to(world) << " by up to " << sum_err;
+          EXPECT_TRUE(at::equal(a, want_avg))
+              << c10::toString(dt) << ": average differs from " << sum_1_to(world) / world << " by up to " << avg_err;
+        }
+        auto recs = c.recorder().snapshot();
+        ASSERT_EQ(recs.size(), 8u);
+        for (const auto& r : recs) {
+          EXPECT_EQ(r.op, "all_reduce");
+          EXPECT_EQ(r.numel, 10);
+          EXPECT_EQ(r.group, "world");
+          EXPECT_GT(r.end_ns, 0);
+          EXPECT_GE(r.end_ns, r.start_ns);
+          // On Gloo 1.13 bf16 goes on the wire as f32 (Note [Fallbacks]): twice the bytes, and the record says so.
+          const bool native = c.kind() == BackendKind::kNccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
+          EXPECT_EQ(c.reduces_natively(r.dtype), native) << c10::toString(r.dtype);
+          EXPECT_EQ(r.bytes, native ? 10 * static_cast<int64_t>(c10::elementSize(r.dtype)) : 40)
+              << c10::toString(r.dtype);
+          EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat);
+        }
+      },
+      options_);
 }
 
 TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
   const int world = GetParam().world;
-  run_ranks(world, [&](Communicator& c) {
-    for (auto dt : {at::kFloat, at::kBFloat16}) {
-      // broadcast from the last rank
-      at::Tensor b = rank_tensor(c, 5, dt);
-      c.broadcast(b, world - 1).wait();
-      EXPECT_TRUE(at::equal(b, at::full({5}, static_cast<double>(world), b.options())));
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        for (auto dt : {at::kFloat, at::kBFloat16}) {
+          // broadcast from the last rank
+          at::Tensor b = rank_tensor(c, 5, dt);
+          c.broadcast(b, world - 1).wait();
+          EXPECT_TRUE(at::equal(b, at::full({5}, static_cast<double>(world), b.options())));
 
-      // all_gather: rank r contributes [r*10, r*10+1, r*10+2] into one flat output
-      at::Tensor in = at::arange(3, on_device(dt)) + 10.0 * c.rank();
-      at::Tensor out = at::empty({3 * world}, in.options());
-      c.all_gather(out, in).wait();
-      for (int r = 0; r < world; ++r)
-        EXPECT_TRUE(at::equal(out.narrow(0, 3 * r, 3), at::arange(3, in.options()) + 10.0 * r)) << "chunk " << r;
-      // any shapes with the right element counts: a [2, 3] input into a [world, 2, 3] output
-      at::Tensor in2 = (at::arange(6, on_device(dt)) + 10.0 * c.rank()).view({2, 3});
-      at::Tensor out2 = at::empty({world, 2, 3}, in2.options());
-      c.all_gather(out2, in2).wait();
-      for (int r = 0; r < world; ++r)
-        EXPECT_TRUE(at::equal(out2[r], (at::arange(6, in2.options()) + 10.0 * r).view({2, 3}))) << "2-D chunk " << r;
+          // all_gather: rank r contributes [r*10, r*10+1, r*10+2] into one flat output
+          at::Tensor in = at::arange(3, on_device(dt)) + 10.0 * c.rank();
+          at::Tensor out = at::empty({3 * world}, in.options());
+          c.all_gather(out, in).wait();
+          for (int r = 0; r < world; ++r)
+            EXPECT_TRUE(at::equal(out.narrow(0, 3 * r, 3), at::arange(3, in.options()) + 10.0 * r)) << "chunk " << r;
+          // any shapes with the right element counts: a [2, 3] input into a [world, 2, 3] output
+          at::Tensor in2 = (at::arange(6, on_device(dt)) + 10.0 * c.rank()).view({2, 3});
+          at::Tensor out2 = at::empty({world, 2, 3}, in2.options());
+          c.all_gather(out2, in2).wait();
+          for (int r = 0; r < world; ++r)
+            EXPECT_TRUE(at::equal(out2[r], (at::arange(6, in2.options()) + 10.0 * r).view({2, 3})))
+                << "2-D chunk " << r;
 
-      // reduce_scatter: every rank sends the same [0, 1, ..., 2w-1] * (rank+1); rank r keeps chunk r of the sum
-      at::Tensor full = at::arange(2 * world, on_device(dt)) * static_cast<double>(c.rank() + 1);
-      at::Tensor keep = full.clone();
-      at::Tensor mine = at::empty({2}, full.options()), mine_avg = at::empty({2}, full.options());
-      c.reduce_scatter(mine, full, ReduceOp::kSum).wait();
-      c.reduce_scatter(mine_avg, full, ReduceOp::kAvg).wait();
-      at::Tensor mine_2d = at::empty({1, 2}, full.options());
-      c.reduce_scatter(mine_2d, full.view({world, 2}), ReduceOp::kSum).wait();  // shapes need not be flat
-      // Integers times sum(1..w) <= 10, and their averages in halves: exact in every dtype, whatever the order.
-      at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, on_device(at::kDouble)) *
-                          sum_1_to(world);
-      auto values = [](const at::Tensor& t) {
-        const at::Tensor d = t.to(at::kDouble).cpu();
-        return std::to_string(d[0].item<double>()) + ", " + std::to_string(d[1].item<double>());
-      };
-      EXPECT_TRUE(at::equal(mine, expect.to(dt)))
-          << c10::toString(dt) << ": sum chunk [" << values(mine) << "], expected [" << values(expect) << "]";
-      EXPECT_TRUE(at::equal(mine_2d.view({-1}), mine)) << "the 2-D reduce_scatter gives the same chunk";
-      EXPECT_TRUE(at::equal(mine_avg, (expect / world).to(dt)))
-          << c10::toString(dt) << ": average chunk [" << values(mine_avg) << "], expected [" << values(expect / world)
-          << "]";
-      EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
-    }
-    // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as a ring of send/recv (CPU
-    // tensors: N-1 of the N chunks sent) or an all-reduce of the whole input (CUDA tensors); 1.13 also a list
-    // all-gather and bf16 as f32, 2.6 the flat all-gather (CPU tensors) and bf16 itself.
-    const bool nccl = c.kind() == BackendKind::kNccl;
-    const bool ring = !nccl && device_.is_cpu() && world <= 2;  // kAuto: these inputs are far below 1 MiB
-    const at::Tensor like = at::empty({0}, on_device(at::kFloat));
-    EXPECT_EQ(c.has_reduce_scatter(), nccl);
-    EXPECT_EQ(c.has_flat_all_gather(like), nccl || (kGlooBf16AndFlatAllGather && device_.is_cpu()));
-    int seen = 0;
-    for (const auto& r : c.recorder().snapshot()) {
-      const bool native = nccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
-      const int64_t wire_size = native ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
-      EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat) << r.op;
-      if (r.op == "reduce_scatter") {
-        EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : ring ? "reduce_scatter(ring)" : "all_reduce");
-        EXPECT_EQ(r.numel, 2 * world);
-        EXPECT_EQ(r.bytes, (ring ? 2 * (world - 1) : 2 * world) * wire_size);
-        ++seen;
-      }
-      if (r.op == "all_gather") {
-        EXPECT_EQ(r.wire_op, c.has_flat_all_gather(like) ? "all_gather" : "all_gather(list)");
-        EXPECT_TRUE(r.numel == 3 || r.numel == 6) << r.numel;
-        EXPECT_EQ(r.bytes, r.numel * wire_size);
-        ++seen;
-      }
-    }
-    EXPECT_EQ(seen, 10) << "2 dtypes x (2 all_gathers + 3 reduce_scatters)";
-    if (c.rank() == 0)
-      std::cout << GetParam() << ": reduce_scatter " << (c.has_reduce_scatter() ? "native" : ring ? "ring" : "as all_reduce")
-                << ", all_gather " << (c.has_flat_all_gather(like) ? "flat" : "list") << ", bf16 "
-                << (c.reduces_natively(at::kBFloat16) ? "native" : "as f32") << "\n";
-  }, options_);
+          // reduce_scatter: every rank sends the same [0, 1, ..., 2w-1] * (rank+1); rank r keeps chunk r of the sum
+          at::Tensor full = at::arange(2 * world, on_device(dt)) * static_cast<double>(c.rank() + 1);
+          at::Tensor keep = full.clone();
+          at::Tensor mine = at::empty({2}, full.options()), mine_avg = at::empty({2}, full.options());
+          c.reduce_scatter(mine, full, ReduceOp::kSum).wait();
+          c.reduce_scatter(mine_avg, full, ReduceOp::kAvg).wait();
+          at::Tensor mine_2d = at::empty({1, 2}, full.options());
+          c.reduce_scatter(mine_2d, full.view({world, 2}), ReduceOp::kSum).wait();  // shapes need not be flat
+          // Integers times sum(1..w) <= 10, and their averages in halves: exact in every dtype, whatever the order.
+          at::Tensor expect = at::arange(2 * c.rank(), 2 * c.rank() + 2, on_device(at::kDouble)) * sum_1_to(world);
+          auto values = [](const at::Tensor& t) {
+            const at::Tensor d = t.to(at::kDouble).cpu();
+            return std::to_string(d[0].item<double>()) + ", " + std::to_string(d[1].item<double>());
+          };
+          EXPECT_TRUE(at::equal(mine, expect.to(dt)))
+              << c10::toString(dt) << ": sum chunk [" << values(mine) << "], expected [" << values(expect) << "]";
+          EXPECT_TRUE(at::equal(mine_2d.view({-1}), mine)) << "the 2-D reduce_scatter gives the same chunk";
+          EXPECT_TRUE(at::equal(mine_avg, (expect / world).to(dt)))
+              << c10::toString(dt) << ": average chunk [" << values(mine_avg) << "], expected ["
+              << values(expect / world) << "]";
+          EXPECT_TRUE(at::equal(full, keep)) << "reduce_scatter must not modify its input";
+        }
+        // What really went on the wire. NCCL: everything natively. Gloo: reduce_scatter as a ring of send/recv (CPU
+        // tensors: N-1 of the N chunks sent) or an all-reduce of the whole input (CUDA tensors); 1.13 also a list
+        // all-gather and bf16 as f32, 2.6 the flat all-gather (CPU tensors) and bf16 itself.
+        const bool nccl = c.kind() == BackendKind::kNccl;
+        const bool ring = !nccl && device_.is_cpu() && world <= 2;  // kAuto: these inputs are far below 1 MiB
+        const at::Tensor like = at::empty({0}, on_device(at::kFloat));
+        EXPECT_EQ(c.has_reduce_scatter(), nccl);
+        EXPECT_EQ(c.has_flat_all_gather(like), nccl || (kGlooBf16AndFlatAllGather && device_.is_cpu()));
+        int seen = 0;
+        for (const auto& r : c.recorder().snapshot()) {
+          const bool native = nccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
+          const int64_t wire_size = native ? static_cast<int64_t>(c10::elementSize(r.dtype)) : 4;
+          EXPECT_EQ(r.wire_dtype, native ? r.dtype : at::kFloat) << r.op;
+          if (r.op == "reduce_scatter") {
+            EXPECT_EQ(r.wire_op, nccl ? "reduce_scatter" : ring ? "reduce_scatter(ring)" : "all_reduce");
+            EXPECT_EQ(r.numel, 2 * world);
+            EXPECT_EQ(r.bytes, (ring ? 2 * (world - 1) : 2 * world) * wire_size);
+            ++seen;
+          }
+          if (r.op == "all_gather") {
+            EXPECT_EQ(r.wire_op, c.has_flat_all_gather(like) ? "all_gather" : "all_gather(list)");
+            EXPECT_TRUE(r.numel == 3 || r.numel == 6) << r.numel;
+            EXPECT_EQ(r.bytes, r.numel * wire_size);
+            ++seen;
+          }
+        }
+        EXPECT_EQ(seen, 10) << "2 dtypes x (2 all_gathers + 3 reduce_scatters)";
+        if (c.rank() == 0)
+          std::cout << GetParam() << ": reduce_scatter "
+                    << (c.has_reduce_scatter() ? "native"
+                        : ring                 ? "ring"
+                                               : "as all_reduce")
+                    << ", all_gather " << (c.has_flat_all_gather(like) ? "flat" : "list") << ", bf16 "
+                    << (c.reduces_natively(at::kBFloat16) ? "native" : "as f32") << "\n";
+      },
+      options_);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld,
@@ -192,57 +201,63 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld,
 // (another summation order), but at 2 ranks a + b is one addition either way: bit for bit too.
 TEST(Collectives, RingReduceScatterEqualsTheAllReduceFallbackAndSendsNMinus1OverNOfTheInput) {
   for (int world = 2; world <= 5; ++world) {
-    run_ranks(world, [&](Communicator& c) {
-      for (int64_t chunk : {1, 7, 1001}) {
-        for (auto dt : {at::kFloat, at::kLong, at::kDouble}) {
-          at::Tensor input = at::randint(-1000, 1000, {world * chunk}, at::TensorOptions().dtype(dt)) *
-                             static_cast<int64_t>(c.rank() + 1);
-          at::Tensor ring_out = at::empty({chunk}, input.options()), ar_out = at::empty({chunk}, input.options());
-          const size_t mark = c.recorder().size();
-          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
-          c.reduce_scatter(ring_out, input, ReduceOp::kSum).wait();
-          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
-          c.reduce_scatter(ar_out, input, ReduceOp::kSum).wait();
-          EXPECT_TRUE(at::equal(ring_out, ar_out)) << "world " << world << " chunk " << chunk << " " << dt;
-          const auto recs = c.recorder().since(mark);
-          ASSERT_EQ(recs.size(), 2u);
-          const int64_t elem = static_cast<int64_t>(c10::elementSize(dt));
-          EXPECT_EQ(recs[0].wire_op, "reduce_scatter(ring)");
-          EXPECT_EQ(recs[0].bytes, (world - 1) * chunk * elem) << "(N-1)/N of the input";
-          EXPECT_EQ(recs[1].wire_op, "all_reduce");
-          EXPECT_EQ(recs[1].bytes, world * chunk * elem) << "the whole input";
-        }
-        if (world == 2) {  // random floats: one addition per element either way
-          at::Tensor input = at::randn({world * chunk});
-          at::Tensor ring_out = at::empty({chunk}), ar_out = at::empty({chunk});
-          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
-          c.reduce_scatter(ring_out, input, ReduceOp::kAvg).wait();
-          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
-          c.reduce_scatter(ar_out, input, ReduceOp::kAvg).wait();
-          EXPECT_TRUE(at::equal(ring_out, ar_out)) << "random floats, chunk " << chunk;
-        }
-      }
-      if (c.rank() == 0) std::cout << "world " << world << ": ring == all-reduce fallback\n";
-    }, test_group());
+    run_ranks(
+        world,
+        [&](Communicator& c) {
+          for (int64_t chunk : {1, 7, 1001}) {
+            for (auto dt : {at::kFloat, at::kLong, at::kDouble}) {
+              at::Tensor input = at::randint(-1000, 1000, {world * chunk}, at::TensorOptions().dtype(dt)) *
+                                 static_cast<int64_t>(c.rank() + 1);
+              at::Tensor ring_out = at::empty({chunk}, input.options()), ar_out = at::empty({chunk}, input.options());
+              const size_t mark = c.recorder().size();
+              c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+              c.reduce_scatter(ring_out, input, ReduceOp::kSum).wait();
+              c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
+              c.reduce_scatter(ar_out, input, ReduceOp::kSum).wait();
+              EXPECT_TRUE(at::equal(ring_out, ar_out)) << "world " << world << " chunk " << chunk << " " << dt;
+              const auto recs = c.recorder().since(mark);
+              ASSERT_EQ(recs.size(), 2u);
+              const int64_t elem = static_cast<int64_t>(c10::elementSize(dt));
+              EXPECT_EQ(recs[0].wire_op, "reduce_scatter(ring)");
+              EXPECT_EQ(recs[0].bytes, (world - 1) * chunk * elem) << "(N-1)/N of the input";
+              EXPECT_EQ(recs[1].wire_op, "all_reduce");
+              EXPECT_EQ(recs[1].bytes, world * chunk * elem) << "the whole input";
+            }
+            if (world == 2) {  // random floats: one addition per element either way
+              at::Tensor input = at::randn({world * chunk});
+              at::Tensor ring_out = at::empty({chunk}), ar_out = at::empty({chunk});
+              c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+              c.reduce_scatter(ring_out, input, ReduceOp::kAvg).wait();
+              c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
+              c.reduce_scatter(ar_out, input, ReduceOp::kAvg).wait();
+              EXPECT_TRUE(at::equal(ring_out, ar_out)) << "random floats, chunk " << chunk;
+            }
+          }
+          if (c.rank() == 0) std::cout << "world " << world << ": ring == all-reduce fallback\n";
+        },
+        test_group());
   }
 }
 
 // Several rings in flight at once (FSDP launches one per unit during backward) complete in order and each gets its
 // own result: the tags keep their messages apart.
 TEST(Collectives, RingReduceScattersInFlightTogetherKeepTheirMessagesApart) {
-  run_ranks(3, [&](Communicator& c) {
-    c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
-    std::vector<at::Tensor> outs;
-    std::vector<Handle> handles;
-    for (int i = 0; i < 6; ++i) {
-      at::Tensor input = at::full({3 * (i + 1)}, static_cast<double>(100 * i + c.rank()));
-      outs.push_back(at::empty({i + 1}));
-      handles.push_back(c.reduce_scatter(outs.back(), input, ReduceOp::kSum));
-    }
-    for (auto& h : handles) h.wait();
-    for (int i = 0; i < 6; ++i)
-      EXPECT_TRUE(outs[i].eq(300.0 * i + 3).all().item<bool>()) << "reduce-scatter " << i << ": " << outs[i];
-  }, test_group());
+  run_ranks(
+      3,
+      [&](Communicator& c) {
+        c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+        std::vector<at::Tensor> outs;
+        std::vector<Handle> handles;
+        for (int i = 0; i < 6; ++i) {
+          at::Tensor input = at::full({3 * (i + 1)}, static_cast<double>(100 * i + c.rank()));
+          outs.push_back(at::empty({i + 1}));
+          handles.push_back(c.reduce_scatter(outs.back(), input, ReduceOp::kSum));
+        }
+        for (auto& h : handles) h.wait();
+        for (int i = 0; i < 6; ++i)
+          EXPECT_TRUE(outs[i].eq(300.0 * i + 3).all().item<bool>()) << "reduce-scatter " << i << ": " << outs[i];
+      },
+      test_group());
 }
 
 TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
@@ -250,18 +265,21 @@ TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
   EXPECT_TRUE(ring_reduce_scatter_pays(2, 64 << 20));
   EXPECT_FALSE(ring_reduce_scatter_pays(4, 64 << 10));
   EXPECT_TRUE(ring_reduce_scatter_pays(4, 1 << 20));
-  run_ranks(3, [&](Communicator& c) {
-    EXPECT_EQ(c.reduce_scatter_algorithm(), ReduceScatterAlgorithm::kAuto);
-    at::Tensor small = at::ones({3 * 4}), large = at::ones({3 * (1 << 18)});
-    at::Tensor out_small = at::empty({4}), out_large = at::empty({1 << 18});
-    const size_t mark = c.recorder().size();
-    c.reduce_scatter(out_small, small).wait();
-    c.reduce_scatter(out_large, large).wait();
-    const auto recs = c.recorder().since(mark);
-    EXPECT_EQ(recs[0].wire_op, "all_reduce") << "48 bytes at 3 ranks";
-    EXPECT_EQ(recs[1].wire_op, "reduce_scatter(ring)") << "3 MiB at 3 ranks";
-    EXPECT_TRUE(out_large.eq(3).all().item<bool>());
-  }, test_group());
+  run_ranks(
+      3,
+      [&](Communicator& c) {
+        EXPECT_EQ(c.reduce_scatter_algorithm(), ReduceScatterAlgorithm::kAuto);
+        at::Tensor small = at::ones({3 * 4}), large = at::ones({3 * (1 << 18)});
+        at::Tensor out_small = at::empty({4}), out_large = at::empty({1 << 18});
+        const size_t mark = c.recorder().size();
+        c.reduce_scatter(out_small, small).wait();
+        c.reduce_scatter(out_large, large).wait();
+        const auto recs = c.recorder().since(mark);
+        EXPECT_EQ(recs[0].wire_op, "all_reduce") << "48 bytes at 3 ranks";
+        EXPECT_EQ(recs[1].wire_op, "reduce_scatter(ring)") << "3 MiB at 3 ranks";
+        EXPECT_TRUE(out_large.eq(3).all().item<bool>());
+      },
+      test_group());
 }
 
 // all_reduce gives control back while the collective cannot have completed: rank 1 joins it only after rank 0 has
@@ -270,33 +288,36 @@ TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
 TEST(Collectives, AsyncWorkOverlapsTheCallingThread) {
   std::promise<void> issued;
   std::shared_future<void> rank0_returned = issued.get_future().share();
-  run_ranks(2, [&](Communicator& c) {
-    at::Tensor t = at::ones({1 << 16});
-    if (c.rank() == 1) {
-      rank0_returned.wait();
-      c.all_reduce(t).wait();
-      EXPECT_EQ(t[0].item<float>(), 2.0f);
-      return;
-    }
-    struct Release {  // however rank 0 leaves (a blocking all_reduce throws its timeout), rank 1 is released
-      std::promise<void>& p;
-      bool released = false;
-      void now() {
-        if (!released) p.set_value();
-        released = true;
-      }
-      ~Release() { now(); }
-    } release{issued};
-    Handle h = c.all_reduce(t);
-    EXPECT_FALSE(h.done());
-    EXPECT_EQ(c.recorder().snapshot().back().end_ns, 0) << "complete although rank 1 has not joined yet";
-    release.now();
-    h.wait();
-    EXPECT_TRUE(h.done());
-    EXPECT_EQ(t[0].item<float>(), 2.0f);
-    EXPECT_GT(c.recorder().snapshot().back().end_ns, 0) << "wait() returns with the record closed";
-    h.wait();  // a second wait is a no-op
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        at::Tensor t = at::ones({1 << 16});
+        if (c.rank() == 1) {
+          rank0_returned.wait();
+          c.all_reduce(t).wait();
+          EXPECT_EQ(t[0].item<float>(), 2.0f);
+          return;
+        }
+        struct Release {  // however rank 0 leaves (a blocking all_reduce throws its timeout), rank 1 is released
+          std::promise<void>& p;
+          bool released = false;
+          void now() {
+            if (!released) p.set_value();
+            released = true;
+          }
+          ~Release() { now(); }
+        } release{issued};
+        Handle h = c.all_reduce(t);
+        EXPECT_FALSE(h.done());
+        EXPECT_EQ(c.recorder().snapshot().back().end_ns, 0) << "complete although rank 1 has not joined yet";
+        release.now();
+        h.wait();
+        EXPECT_TRUE(h.done());
+        EXPECT_EQ(t[0].item<float>(), 2.0f);
+        EXPECT_GT(c.recorder().snapshot().back().end_ns, 0) << "wait() returns with the record closed";
+        h.wait();  // a second wait is a no-op
+      },
+      test_group());
 }
 
 // barrier() returns on no rank before every rank has called it. Rank 1 holds back before calling it, until rank 0
@@ -308,50 +329,56 @@ TEST(Collectives, BarrierReturnsOnlyOnceEveryRankHasCalledIt) {
   std::shared_future<void> rank0_returned = returned.get_future().share();
   std::atomic<bool> rank1_arrived{false};
   bool arrived_when_rank0_returned = false, rank0_returned_first = false;
-  run_ranks(2, [&](Communicator& c) {
-    if (c.rank() == 1) {
-      rank0_returned_first = rank0_returned.wait_for(std::chrono::seconds(1)) == std::future_status::ready;
-      rank1_arrived = true;
-      c.barrier();
-    } else {
-      struct Release {
-        std::promise<void>& p;
-        ~Release() { p.set_value(); }
-      } release{returned};
-      c.barrier();
-      arrived_when_rank0_returned = rank1_arrived;
-    }
-    const auto recs = c.recorder().snapshot();
-    ASSERT_EQ(recs.size(), 1u);
-    EXPECT_EQ(recs[0].op, "barrier");
-    EXPECT_GT(recs[0].end_ns, 0) << "barrier() returns with its record closed";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        if (c.rank() == 1) {
+          rank0_returned_first = rank0_returned.wait_for(std::chrono::seconds(1)) == std::future_status::ready;
+          rank1_arrived = true;
+          c.barrier();
+        } else {
+          struct Release {
+            std::promise<void>& p;
+            ~Release() { p.set_value(); }
+          } release{returned};
+          c.barrier();
+          arrived_when_rank0_returned = rank1_arrived;
+        }
+        const auto recs = c.recorder().snapshot();
+        ASSERT_EQ(recs.size(), 1u);
+        EXPECT_EQ(recs[0].op, "barrier");
+        EXPECT_GT(recs[0].end_ns, 0) << "barrier() returns with its record closed";
+      },
+      test_group());
   EXPECT_FALSE(rank0_returned_first) << "rank 0's barrier returned while rank 1 held back from calling barrier()";
   EXPECT_TRUE(arrived_when_rank0_returned) << "rank 0's barrier returned before rank 1 had called barrier()";
 }
 
 TEST(Collectives, BadArgumentsThrowAtTheCallNamingWhatWasExpected) {
-  run_ranks(1, [](Communicator& c) {
-    auto expect_message = [](auto&& fn, const std::string& needle) {
-      try {
-        fn();
-        ADD_FAILURE() << "expected std::invalid_argument containing '" << needle << "'";
-      } catch (const std::invalid_argument& e) {
-        std::cout << "rejected: " << e.what() << "\n";
-        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-      }
-    };
-    at::Tensor m = at::ones({4, 4});
-    expect_message([&] { c.all_reduce(m.t().narrow(0, 0, 2)); }, "contiguous");
-    expect_message([&] { c.all_reduce(at::ones({3}, at::kBool)); }, "dtype");
-    expect_message([&] { c.all_reduce(at::ones({3}, at::kLong), ReduceOp::kAvg); }, "floating");
-    expect_message([&] { c.broadcast(at::ones({3}), 1); }, "root");
-    expect_message([&] { c.all_gather(at::ones({5}), at::ones({3})); }, "elements");
-    expect_message([&] { c.all_gather(at::ones({3}, at::kDouble), at::ones({3})); }, "dtype");
-    expect_message([&] { c.reduce_scatter(at::ones({2}), at::ones({3})); }, "elements");
-    expect_message([&] { c.all_reduce(at::Tensor()); }, "undefined");
-    EXPECT_EQ(c.recorder().size(), 0u) << "nothing may be submitted for a rejected call";
-  }, test_group());
+  run_ranks(
+      1,
+      [](Communicator& c) {
+        auto expect_message = [](auto&& fn, const std::string& needle) {
+          try {
+            fn();
+            ADD_FAILURE() << "expected std::invalid_argument containing '" << needle << "'";
+          } catch (const std::invalid_argument& e) {
+            std::cout << "rejected: " << e.what() << "\n";
+            EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+          }
+        };
+        at::Tensor m = at::ones({4, 4});
+        expect_message([&] { c.all_reduce(m.t().narrow(0, 0, 2)); }, "contiguous");
+        expect_message([&] { c.all_reduce(at::ones({3}, at::kBool)); }, "dtype");
+        expect_message([&] { c.all_reduce(at::ones({3}, at::kLong), ReduceOp::kAvg); }, "floating");
+        expect_message([&] { c.broadcast(at::ones({3}), 1); }, "root");
+        expect_message([&] { c.all_gather(at::ones({5}), at::ones({3})); }, "elements");
+        expect_message([&] { c.all_gather(at::ones({3}, at::kDouble), at::ones({3})); }, "dtype");
+        expect_message([&] { c.reduce_scatter(at::ones({2}), at::ones({3})); }, "elements");
+        expect_message([&] { c.all_reduce(at::Tensor()); }, "undefined");
+        EXPECT_EQ(c.recorder().size(), 0u) << "nothing may be submitted for a rejected call";
+      },
+      test_group());
 }
 
 TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
@@ -360,25 +387,28 @@ TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
   std::string message;
   std::promise<void> rank0_done;
   std::shared_future<void> done = rank0_done.get_future().share();
-  run_ranks(2, [&](Communicator& c) {
-    if (c.rank() == 1) {
-      // Rank 1 never joins the all-reduce, but keeps its group alive until rank 0 has given up: a group destroyed
-      // early would close the connection, and rank 0 would see that instead of a timeout.
-      done.wait();
-      return;
-    }
-    struct Release {  // however rank 0 leaves, rank 1 is released
-      std::promise<void>& p;
-      ~Release() { p.set_value(); }
-    } release{rank0_done};
-    at::Tensor t = at::ones({8});
-    try {
-      c.all_reduce(t).wait();
-      ADD_FAILURE() << "expected a timeout";
-    } catch (const std::runtime_error& e) {
-      message = e.what();
-    }
-  }, o);
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        if (c.rank() == 1) {
+          // Rank 1 never joins the all-reduce, but keeps its group alive until rank 0 has given up: a group destroyed
+          // early would close the connection, and rank 0 would see that instead of a timeout.
+          done.wait();
+          return;
+        }
+        struct Release {  // however rank 0 leaves, rank 1 is released
+          std::promise<void>& p;
+          ~Release() { p.set_value(); }
+        } release{rank0_done};
+        at::Tensor t = at::ones({8});
+        try {
+          c.all_reduce(t).wait();
+          ADD_FAILURE() << "expected a timeout";
+        } catch (const std::runtime_error& e) {
+          message = e.what();
+        }
+      },
+      o);
   std::cout << "timeout message: " << message << "\n";
   EXPECT_NE(message.find("all_reduce"), std::string::npos);
   EXPECT_NE(message.find("rank 0"), std::string::npos);
@@ -386,9 +416,12 @@ TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
 
 TEST(Collectives, RunRanksNamesTheFailingRank) {
   try {
-    run_ranks(3, [](Communicator& c) {
-      if (c.rank() == 2) throw std::runtime_error("boom");
-    }, test_group());
+    run_ranks(
+        3,
+        [](Communicator& c) {
+          if (c.rank() == 2) throw std::runtime_error("boom");
+        },
+        test_group());
     FAIL() << "expected an exception";
   } catch (const std::runtime_error& e) {
     EXPECT_EQ(std::string(e.what()), "rank 2: boom");
@@ -404,7 +437,8 @@ namespace {
 // Handle: finish steps run exactly once, even when one throws, and a failure is never reported as success later.
 TEST(Handle, FinishStepsRunOnceAndAFailureSticks) {
   int first = 0, second = 0;
-  Handle h(c10::intrusive_ptr<compat::Work>(), [&] { ++first; }, "test op", std::chrono::milliseconds(1000));
+  Handle h(
+      c10::intrusive_ptr<compat::Work>(), [&] { ++first; }, "test op", std::chrono::milliseconds(1000));
   Handle chained = std::move(h).then([&] {
     ++second;
     throw std::runtime_error("post step failed");
@@ -427,10 +461,12 @@ TEST(Handle, FinishStepsRunOnceAndAFailureSticks) {
 // the op, and leaves both handles as they were; onto a handle that is done it moves.
 TEST(Handle, MoveAssigningOntoAPendingHandleThrowsNamingItsOpAndMovesNothing) {
   int first = 0, second = 0;
-  Handle pending(c10::intrusive_ptr<compat::Work>(), [&] { ++first; }, "all_reduce on group 'test' (rank 0 of 2)",
-                 std::chrono::milliseconds(1000));
-  Handle other(c10::intrusive_ptr<compat::Work>(), [&] { ++second; }, "broadcast on group 'test' (rank 0 of 2)",
-               std::chrono::milliseconds(1000));
+  Handle pending(
+      c10::intrusive_ptr<compat::Work>(), [&] { ++first; }, "all_reduce on group 'test' (rank 0 of 2)",
+      std::chrono::milliseconds(1000));
+  Handle other(
+      c10::intrusive_ptr<compat::Work>(), [&] { ++second; }, "broadcast on group 'test' (rank 0 of 2)",
+      std::chrono::milliseconds(1000));
   try {
     pending = std::move(other);
     ADD_FAILURE() << "expected std::logic_error: the pending all_reduce's finish step would be lost";
@@ -463,8 +499,8 @@ TEST(CommTime, BusyIsTheUnionOfTheSpansAndExposedItsPartInsideTheWaitsWithinTheW
   auto wait = [](int64_t start, int64_t end) { return WaitRecord{"ddp sync", start, end}; };
   // Window [100, 200). Collectives, out of order: [190, 250) is cut to [190, 200); [90, 120) and [110, 130)
   // overlap: [100, 130); [150, 160); [170, pending) and [300, 400) count for nothing. Busy: 30 + 10 + 10 = 50.
-  const std::vector<CollectiveRecord> records{span(190, 250), span(110, 130), span(300, 400), span(90, 120),
-                                              span(150, 160), span(170, 0)};
+  const std::vector<CollectiveRecord> records{span(190, 250), span(110, 130), span(300, 400),
+                                              span(90, 120),  span(150, 160), span(170, 0)};
   // Waits: [115, 155) and [118, 125) (inside it, counted once) cover [115, 130) and [150, 155) of the busy time;
   // [140, 145) covers none; [195, 205) covers [195, 200). Exposed: 15 + 5 + 5 = 25.
   const std::vector<WaitRecord> waits{wait(195, 205), wait(115, 155), wait(140, 145), wait(118, 125)};

@@ -62,27 +62,33 @@ TEST(Errors, WarnOncePrintsTheFirstTimeAndCountsEveryTime) {
 TEST(Errors, TheCommunicatorWarnsOnceWhenReduceScatterTravelsAsAnAllReduce) {
   const std::string key = "reduce_scatter sent as all_reduce";
   const int before = warn_count(key);
-  run_ranks(2, [&](Communicator& comm) {
-    comm.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
-    // 1 MiB at 2 ranks: the ring would send half of what the all-reduce sends.
-    at::Tensor input = at::ones({2 * 131072}), output = at::empty({131072});
-    comm.reduce_scatter(output, input, ReduceOp::kSum).wait();
-    comm.reduce_scatter(output, input, ReduceOp::kSum).wait();
-    EXPECT_TRUE(at::equal(output, at::full({131072}, 2.0f)));
-  }, test_support::test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        comm.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
+        // 1 MiB at 2 ranks: the ring would send half of what the all-reduce sends.
+        at::Tensor input = at::ones({2 * 131072}), output = at::empty({131072});
+        comm.reduce_scatter(output, input, ReduceOp::kSum).wait();
+        comm.reduce_scatter(output, input, ReduceOp::kSum).wait();
+        EXPECT_TRUE(at::equal(output, at::full({131072}, 2.0f)));
+      },
+      test_support::test_group());
   EXPECT_EQ(warn_count(key), before + 4) << "each rank's two reduce-scatters pass the warning";
 }
 
 TEST(Errors, TheCommunicatorWarnsWhenBf16TravelsAsF32AndOnlyThen) {
   const std::string key = "bf16 sent as f32";
   const int before = warn_count(key);
-  run_ranks(2, [&](Communicator& comm) {
-    at::Tensor f32 = at::ones({8});
-    comm.all_reduce(f32, ReduceOp::kSum).wait();
-    at::Tensor bf16 = at::ones({8}, at::kBFloat16);
-    comm.all_reduce(bf16, ReduceOp::kSum).wait();
-    EXPECT_TRUE(at::equal(bf16, at::full({8}, 2.0f, at::kBFloat16)));
-  }, test_support::test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        at::Tensor f32 = at::ones({8});
+        comm.all_reduce(f32, ReduceOp::kSum).wait();
+        at::Tensor bf16 = at::ones({8}, at::kBFloat16);
+        comm.all_reduce(bf16, ReduceOp::kSum).wait();
+        EXPECT_TRUE(at::equal(bf16, at::full({8}, 2.0f, at::kBFloat16)));
+      },
+      test_support::test_group());
   const int expected = compat::gloo_features().bfloat16 ? 0 : 2;  // one bf16 all-reduce on each rank
   std::cout << "this Gloo " << (compat::gloo_features().bfloat16 ? "has" : "has no") << " bf16; warnings seen "
             << warn_count(key) - before << "\n";

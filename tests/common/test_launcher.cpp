@@ -209,9 +209,11 @@ TEST(Launcher, TimeoutNamesTheLowestRankStillRunning) {
   const LaunchResult r = launch(
       options,
       sh("if [ \"$RANK\" != 2 ]; then echo $$ > \"$SYNC/$RANK.tmp\"; mv \"$SYNC/$RANK.tmp\" \"$SYNC/$RANK\"; exit 0; "
-         "fi; " + wait_for_files({"0", "1"}) +
+         "fi; " +
+         wait_for_files({"0", "1"}) +
          "for r in 0 1; do p=$(cat \"$SYNC/$r\"); while [ -e /proc/$p ]; do sleep 0.01; done; done; "
-         "echo 0 and 1 are gone; exec " + kForever),
+         "echo 0 and 1 are gone; exec " +
+         kForever),
       out.sink());
   print_result(r);
   EXPECT_EQ(r.exit_code, 124);
@@ -237,7 +239,6 @@ TEST(Launcher, UnknownProgramExits127WithMessage) {
       out.lines,
       (std::vector<Line>{{0, "shardlab-run: cannot execute /nonexistent/shardlab-prog: No such file or directory"}}));
 }
-
 
 #ifdef __linux__
 TEST(Launcher, NoGrandchildSurvivesAFailedLaunch) {

@@ -36,11 +36,12 @@ std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
 void expect_matches_reference(int world, const TrainConfig& c, const GroupOptions& group = test_group()) {
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(world);
-  run_ranks(world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c); }, group);
+  run_ranks(
+      world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c); }, group);
   for (int r = 0; r < world; ++r) {
     const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << c.model << "/" << c.optimizer << " world " << world << " micro " << c.micro_batches << " rank "
-              << r << ": max |param - reference| = " << diff << "\n";
+    std::cout << c.model << "/" << c.optimizer << " world " << world << " micro " << c.micro_batches << " rank " << r
+              << ": max |param - reference| = " << diff << "\n";
     EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
   }
 }
@@ -107,26 +108,28 @@ std::vector<EquivalenceCase> equivalence_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage01, Equivalence, ::testing::ValuesIn(equivalence_cases()),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+INSTANTIATE_TEST_SUITE_P(Stage01, Equivalence, ::testing::ValuesIn(equivalence_cases()), [](const auto& info) {
+  std::ostringstream s;
+  s << info.param;
+  return s.str();
+});
 
 TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) {
   const int world = 3;
   std::vector<std::vector<at::Tensor>> before(world), after(world);
   std::vector<std::vector<at::Tensor>> buffers(world);
   std::vector<size_t> broadcasts(world);
-  run_ranks(world, [&](Communicator& comm) {
-    auto model = make_model("edge", 100 + comm.rank());  // a different seed on every rank
-    for (const auto& p : model->parameters()) before[comm.rank()].push_back(p.detach().clone());
-    NaiveDDP ddp(model, comm);
-    for (const auto& p : model->parameters()) after[comm.rank()].push_back(p.detach().clone());
-    for (const auto& b : model->buffers()) buffers[comm.rank()].push_back(b.detach().clone());
-    broadcasts[comm.rank()] = comm.recorder().size();
-  }, test_group());
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        auto model = make_model("edge", 100 + comm.rank());  // a different seed on every rank
+        for (const auto& p : model->parameters()) before[comm.rank()].push_back(p.detach().clone());
+        NaiveDDP ddp(model, comm);
+        for (const auto& p : model->parameters()) after[comm.rank()].push_back(p.detach().clone());
+        for (const auto& b : model->buffers()) buffers[comm.rank()].push_back(b.detach().clone());
+        broadcasts[comm.rank()] = comm.recorder().size();
+      },
+      test_group());
   for (int r = 1; r < world; ++r) {
     const double start = max_abs_diff(before[r], before[0]);
     const double end = max_abs_diff(after[r], before[0]);
@@ -148,47 +151,50 @@ TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
   std::vector<std::string> names;  // trainable parameters, registration order
   // [rank][step][parameter]: the rank's own gradient (undefined: no gradient this step), and .grad() after backward
   std::vector<std::vector<std::vector<at::Tensor>>> own(2), synced(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("edge", 5);
-    NaiveDDP ddp(model, comm);
-    auto data = make_dataset("edge", 5);
-    auto named = model->named_parameters();
-    const at::Tensor frozen_before = named["frozen"].detach().clone();
-    const auto params = trainable_parameters(*model);
-    if (comm.rank() == 0)
-      for (const auto& item : named)
-        if (item.value().requires_grad()) names.push_back(item.key());
-    auto opt = make_optimizer("sgd", params, 0.1);
-    for (int step = 0; step < kSteps; ++step) {
-      compat::zero_grad(*opt);
-      const Batch batch = rank_slice(data->global_batch(step, 8), comm.rank(), 2);
-      own[comm.rank()].push_back(test_support::local_gradients(*model, batch, params));
-      const size_t mark = comm.recorder().size();
-      ddp.loss(batch).backward();
-      auto recs = comm.recorder().since(mark);
-      // Expected: every trainable parameter, except `sometimes` on odd steps (not used, so no gradient).
-      std::multiset<int64_t> expected, seen;
-      for (const auto& item : named)
-        if (item.value().requires_grad() && !(item.key() == "sometimes" && step % 2 == 1))
-          expected.insert(item.value().numel());
-      for (const auto& r : recs) {
-        EXPECT_EQ(r.op, "all_reduce");
-        EXPECT_EQ(r.reduce, "avg");
-        EXPECT_EQ(r.bytes, r.numel * 4);
-        EXPECT_GT(r.end_ns, 0) << "every all-reduce is complete when backward returns";
-        seen.insert(r.numel);
-      }
-      if (comm.rank() == 0)
-        std::cout << "step " << step << ": " << recs.size() << " all-reduces (expected " << expected.size()
-                  << ")\n";
-      EXPECT_EQ(seen, expected) << "step " << step;
-      std::vector<at::Tensor> grads;
-      for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
-      synced[comm.rank()].push_back(grads);
-      opt->step();
-    }
-    EXPECT_TRUE(at::equal(named["frozen"], frozen_before)) << "the frozen parameter never changes";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("edge", 5);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("edge", 5);
+        auto named = model->named_parameters();
+        const at::Tensor frozen_before = named["frozen"].detach().clone();
+        const auto params = trainable_parameters(*model);
+        if (comm.rank() == 0)
+          for (const auto& item : named)
+            if (item.value().requires_grad()) names.push_back(item.key());
+        auto opt = make_optimizer("sgd", params, 0.1);
+        for (int step = 0; step < kSteps; ++step) {
+          compat::zero_grad(*opt);
+          const Batch batch = rank_slice(data->global_batch(step, 8), comm.rank(), 2);
+          own[comm.rank()].push_back(test_support::local_gradients(*model, batch, params));
+          const size_t mark = comm.recorder().size();
+          ddp.loss(batch).backward();
+          auto recs = comm.recorder().since(mark);
+          // Expected: every trainable parameter, except `sometimes` on odd steps (not used, so no gradient).
+          std::multiset<int64_t> expected, seen;
+          for (const auto& item : named)
+            if (item.value().requires_grad() && !(item.key() == "sometimes" && step % 2 == 1))
+              expected.insert(item.value().numel());
+          for (const auto& r : recs) {
+            EXPECT_EQ(r.op, "all_reduce");
+            EXPECT_EQ(r.reduce, "avg");
+            EXPECT_EQ(r.bytes, r.numel * 4);
+            EXPECT_GT(r.end_ns, 0) << "every all-reduce is complete when backward returns";
+            seen.insert(r.numel);
+          }
+          if (comm.rank() == 0)
+            std::cout << "step " << step << ": " << recs.size() << " all-reduces (expected " << expected.size()
+                      << ")\n";
+          EXPECT_EQ(seen, expected) << "step " << step;
+          std::vector<at::Tensor> grads;
+          for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+          synced[comm.rank()].push_back(grads);
+          opt->step();
+        }
+        EXPECT_TRUE(at::equal(named["frozen"], frozen_before)) << "the frozen parameter never changes";
+      },
+      test_group());
   ASSERT_EQ(names.size(), 5u);
   for (int step = 0; step < kSteps; ++step) {
     for (size_t i = 0; i < names.size(); ++i) {
@@ -212,18 +218,22 @@ TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
 }
 
 TEST(NaiveDDP, TiedEmbeddingIsReducedOnce) {
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("tiny_gpt", 3);
-    NaiveDDP ddp(model, comm);
-    auto data = make_dataset("tiny_gpt", 3);
-    const size_t mark = comm.recorder().size();
-    ddp.loss(rank_slice(data->global_batch(0, 4), comm.rank(), 2)).backward();
-    auto recs = comm.recorder().since(mark);
-    const at::Tensor wte = model->named_parameters()["wte.weight"];
-    const auto of_wte = std::count_if(recs.begin(), recs.end(), [&](const auto& r) { return r.numel == wte.numel(); });
-    EXPECT_EQ(recs.size(), model->parameters().size());
-    EXPECT_EQ(of_wte, 1) << "the embedding is used twice (input and output) but reduced once";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 3);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("tiny_gpt", 3);
+        const size_t mark = comm.recorder().size();
+        ddp.loss(rank_slice(data->global_batch(0, 4), comm.rank(), 2)).backward();
+        auto recs = comm.recorder().since(mark);
+        const at::Tensor wte = model->named_parameters()["wte.weight"];
+        const auto of_wte =
+            std::count_if(recs.begin(), recs.end(), [&](const auto& r) { return r.numel == wte.numel(); });
+        EXPECT_EQ(recs.size(), model->parameters().size());
+        EXPECT_EQ(of_wte, 1) << "the embedding is used twice (input and output) but reduced once";
+      },
+      test_group());
 }
 
 TEST(NaiveDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesTheAccumulatedGradients) {
@@ -241,35 +251,38 @@ TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) 
   // [rank][parameter]: own gradients of the aborted and of the next backward, and .grad() after each
   std::vector<std::vector<at::Tensor>> own_aborted(2), own_next(2), settled(2), next(2);
   std::vector<size_t> launched(2), waits(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("mlp", 7);
-    NaiveDDP ddp(model, comm);
-    auto data = make_dataset("mlp", 7);
-    const auto params = trainable_parameters(*model);
-    if (comm.rank() == 0)
-      for (const auto& item : model->named_parameters()) names.push_back(item.key());
-    const Batch aborted = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
-    const Batch after = rank_slice(data->global_batch(1, 8), comm.rank(), 2);
-    own_aborted[comm.rank()] = test_support::local_gradients(*model, aborted, params);
-    own_next[comm.rank()] = test_support::local_gradients(*model, after, params);
-    // The first layer's weight is the last gradient backward reaches: the hook on it throws before it is
-    // accumulated, after the later layers' gradients were (and their all-reduces launched).
-    const unsigned hook = params.front().register_hook([](const at::Tensor&) -> at::Tensor {
-      throw std::runtime_error("injected failure in backward");
-    });
-    const size_t mark = comm.recorder().size();
-    EXPECT_THROW(ddp.loss(aborted).backward(), std::exception);
-    params.front().remove_hook(hook);
-    launched[comm.rank()] = comm.recorder().size() - mark;
-    const size_t waits_before = comm.recorder().waits().size();
-    ddp.loss(after);  // the forward settles; its graph is dropped
-    waits[comm.rank()] = comm.recorder().waits().size() - waits_before;
-    for (const auto& p : params) settled[comm.rank()].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
-    for (const auto& p : params)
-      if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
-    ddp.loss(after).backward();
-    for (const auto& p : params) next[comm.rank()].push_back(p.grad().clone());
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 7);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 7);
+        const auto params = trainable_parameters(*model);
+        if (comm.rank() == 0)
+          for (const auto& item : model->named_parameters()) names.push_back(item.key());
+        const Batch aborted = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+        const Batch after = rank_slice(data->global_batch(1, 8), comm.rank(), 2);
+        own_aborted[comm.rank()] = test_support::local_gradients(*model, aborted, params);
+        own_next[comm.rank()] = test_support::local_gradients(*model, after, params);
+        // The first layer's weight is the last gradient backward reaches: the hook on it throws before it is
+        // accumulated, after the later layers' gradients were (and their all-reduces launched).
+        const unsigned hook = params.front().register_hook(
+            [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("injected failure in backward"); });
+        const size_t mark = comm.recorder().size();
+        EXPECT_THROW(ddp.loss(aborted).backward(), std::exception);
+        params.front().remove_hook(hook);
+        launched[comm.rank()] = comm.recorder().size() - mark;
+        const size_t waits_before = comm.recorder().waits().size();
+        ddp.loss(after);  // the forward settles; its graph is dropped
+        waits[comm.rank()] = comm.recorder().waits().size() - waits_before;
+        for (const auto& p : params)
+          settled[comm.rank()].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+        for (const auto& p : params)
+          if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
+        ddp.loss(after).backward();
+        for (const auto& p : params) next[comm.rank()].push_back(p.grad().clone());
+      },
+      test_group());
   size_t reduced = 0;
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(waits[r], 1u) << "rank " << r << ": the forward waits once for what the aborted backward launched";
@@ -278,19 +291,20 @@ TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) 
       if (!got.defined()) continue;  // backward threw before this gradient: nothing was launched for it
       if (r == 0) ++reduced;
       const at::Tensor want = test_support::mean_of_two(own_aborted[0][i], own_aborted[1][i]);
-      EXPECT_TRUE(at::equal(got, want))
-          << names[i] << " rank " << r << ": after the settling forward .grad() is not the average (max diff "
-          << test_support::max_diff(got, want) << "; to the sum of the ranks' gradients "
-          << test_support::max_diff(got, own_aborted[0][i] + own_aborted[1][i]) << ")";
+      EXPECT_TRUE(at::equal(got, want)) << names[i] << " rank " << r
+                                        << ": after the settling forward .grad() is not the average (max diff "
+                                        << test_support::max_diff(got, want) << "; to the sum of the ranks' gradients "
+                                        << test_support::max_diff(got, own_aborted[0][i] + own_aborted[1][i]) << ")";
     }
     for (size_t i = 0; i < names.size(); ++i) {
       const at::Tensor want = test_support::mean_of_two(own_next[0][i], own_next[1][i]);
-      EXPECT_TRUE(at::equal(next[r][i], want)) << names[i] << " rank " << r << ": the next backward's .grad() "
-                                               << "differs from the average by " << test_support::max_diff(next[r][i], want);
+      EXPECT_TRUE(at::equal(next[r][i], want))
+          << names[i] << " rank " << r << ": the next backward's .grad() "
+          << "differs from the average by " << test_support::max_diff(next[r][i], want);
     }
   }
-  std::cout << "the aborted backward launched " << launched[0] << " all-reduces; " << reduced << " of "
-            << names.size() << " gradients were settled by the next forward\n";
+  std::cout << "the aborted backward launched " << launched[0] << " all-reduces; " << reduced << " of " << names.size()
+            << " gradients were settled by the next forward\n";
   EXPECT_EQ(launched[0], reduced) << "one all-reduce per gradient accumulated before the throw";
   EXPECT_GT(reduced, 0u);
   EXPECT_LT(reduced, names.size()) << "the throw came before the first layer's weight";

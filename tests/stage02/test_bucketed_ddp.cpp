@@ -1,8 +1,8 @@
 // Stage 02 — bucketed DDP. N ranks (threads, real Gloo) must train exactly like one device, with one all-reduce
 // per bucket, the first of them started while backward is still running, and buckets rebuilt from the real
 // gradient-ready order.
-#include "shardlab/common/compat.h"
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
@@ -30,9 +30,9 @@ constexpr double kRtol = 1e-5, kAtol = 1e-6;
 // The mlp's trainable parameters in reverse registration order (bytes): fc2.bias 16, fc2.weight 1024,
 // fc1.bias 256, fc1.weight 16384, fc0.bias 256, fc0.weight 4096. These caps cut that list into 1, 2 or 3 buckets.
 BucketCaps mlp_caps(int buckets) {
-  if (buckets == 1) return {};                  // 1 MiB first bucket holds everything
-  if (buckets == 2) return {1000, 1 << 20};     // [fc2.*] [the rest]
-  return {1000, 16000};                         // [fc2.*] [fc1.*] [fc0.*]
+  if (buckets == 1) return {};               // 1 MiB first bucket holds everything
+  if (buckets == 2) return {1000, 1 << 20};  // [fc2.*] [the rest]
+  return {1000, 16000};                      // [fc2.*] [fc1.*] [fc0.*]
 }
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options,
@@ -74,9 +74,9 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(e.world);
   std::vector<size_t> buckets(e.world);
-  run_ranks(e.world, [&](Communicator& comm) {
-    finals[comm.rank()] = train_rank(comm, c, options, &buckets[comm.rank()]);
-  }, test_group());
+  run_ranks(
+      e.world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c, options, &buckets[comm.rank()]); },
+      test_group());
   for (int r = 0; r < e.world; ++r) {
     const double diff = max_abs_diff(finals[r], ref.params);
     std::cout << e << " rank " << r << ": " << buckets[r] << " buckets, max |param - reference| = " << diff << "\n";
@@ -91,7 +91,7 @@ std::vector<EquivalenceCase> equivalence_cases() {
     cases.push_back({"mlp", "sgd", 2, 1, b, false});
     cases.push_back({"mlp", "adamw", 3, 1, b, false});
   }
-  cases.push_back({"mlp", "sgd", 4, 3, 3, false});    // gradient accumulation with no_sync
+  cases.push_back({"mlp", "sgd", 4, 3, 3, false});  // gradient accumulation with no_sync
   cases.push_back({"mlp", "adamw", 2, 2, 2, false});
   // tiny GPT (SGD: see Note [AdamW and near-zero gradients] in tests/stage01) with many small buckets
   cases.push_back({"tiny_gpt", "sgd", 2, 1, 0, false});
@@ -125,7 +125,8 @@ TEST(BucketedDDP, NcclWorldOneMatchesSingleDevice) {
   const ReferenceResult ref = train_reference(c);
   std::vector<at::Tensor> final_params;
   size_t buckets = 0;
-  run_ranks(1, [&](Communicator& comm) { final_params = train_rank(comm, c, options, &buckets); }, group);
+  run_ranks(
+      1, [&](Communicator& comm) { final_params = train_rank(comm, c, options, &buckets); }, group);
   const double diff = max_abs_diff(final_params, ref.params);
   std::cout << "nccl world 1: " << buckets << " buckets, max |param - reference| = " << diff << "\n";
   EXPECT_GT(buckets, 1u);
@@ -150,7 +151,8 @@ TEST(AssignBuckets, CapsDecideTheCutsAndTheFirstBucketIsSmall) {
 }
 
 TEST(AssignBuckets, DtypesNeverShareABucket) {
-  std::vector<at::Tensor> params{at::zeros({4}), at::zeros({4}, at::kDouble), at::zeros({4}), at::zeros({4}, at::kDouble)};
+  std::vector<at::Tensor> params{at::zeros({4}), at::zeros({4}, at::kDouble), at::zeros({4}),
+                                 at::zeros({4}, at::kDouble)};
   const auto plan = assign_buckets(params, {0, 1, 2, 3}, {1 << 20, 1 << 20});
   ASSERT_EQ(plan.size(), 2u);
   EXPECT_EQ(plan[0], (std::vector<size_t>{0, 2}));
@@ -174,75 +176,81 @@ TEST(AssignBuckets, RejectsBadOrdersAndCaps) {
 // Structure: per step exactly one all-reduce (average) per bucket, of the bucket's size, in bucket order; the
 // rebuild adds one broadcast of the order (int64, one entry per parameter) at the start of step 1.
 TEST(BucketedDDP, OneAllReducePerBucketOfTheBucketsSizeInOrder) {
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("tiny_gpt", 3);
-    Options options;
-    options.caps = {2048, 8192};
-    BucketedDDP ddp(model, comm, options);
-    auto data = make_dataset("tiny_gpt", 3);
-    auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
-    for (int step = 0; step < 3; ++step) {
-      compat::zero_grad(*opt);
-      const size_t mark = comm.recorder().size();
-      at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2));
-      const size_t after_forward = comm.recorder().size();
-      loss.backward();
-      const auto forward_recs = comm.recorder().since(mark);
-      const auto recs = comm.recorder().since(after_forward);
-      if (step == 1) {
-        ASSERT_EQ(after_forward - mark, 1u) << "the rebuild broadcasts the order once";
-        EXPECT_EQ(forward_recs[0].op, "broadcast");
-        EXPECT_EQ(forward_recs[0].numel, static_cast<int64_t>(ddp.parameters().size()));
-      } else {
-        EXPECT_EQ(after_forward, mark) << "no collective in the forward of step " << step;
-      }
-      const auto& buckets = ddp.buckets();
-      ASSERT_EQ(recs.size(), buckets.size()) << "step " << step;
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        EXPECT_EQ(recs[b].op, "all_reduce");
-        EXPECT_EQ(recs[b].reduce, "avg");
-        EXPECT_EQ(recs[b].numel, buckets[b].numel) << "bucket " << b;
-        EXPECT_EQ(recs[b].bytes, buckets[b].numel * 4);
-        EXPECT_GT(recs[b].end_ns, 0) << "complete when backward returns";
-      }
-      if (comm.rank() == 0)
-        std::cout << "step " << step << ": " << recs.size() << " all-reduces for " << buckets.size()
-                  << " buckets\n";
-      opt->step();
-    }
-    int64_t total = 0;
-    for (const auto& b : ddp.buckets()) total += b.numel;
-    int64_t expected = 0;
-    for (const auto& p : trainable_parameters(*model)) expected += p.numel();
-    EXPECT_EQ(total, expected) << "every trainable parameter is in exactly one bucket";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 3);
+        Options options;
+        options.caps = {2048, 8192};
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset("tiny_gpt", 3);
+        auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
+        for (int step = 0; step < 3; ++step) {
+          compat::zero_grad(*opt);
+          const size_t mark = comm.recorder().size();
+          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2));
+          const size_t after_forward = comm.recorder().size();
+          loss.backward();
+          const auto forward_recs = comm.recorder().since(mark);
+          const auto recs = comm.recorder().since(after_forward);
+          if (step == 1) {
+            ASSERT_EQ(after_forward - mark, 1u) << "the rebuild broadcasts the order once";
+            EXPECT_EQ(forward_recs[0].op, "broadcast");
+            EXPECT_EQ(forward_recs[0].numel, static_cast<int64_t>(ddp.parameters().size()));
+          } else {
+            EXPECT_EQ(after_forward, mark) << "no collective in the forward of step " << step;
+          }
+          const auto& buckets = ddp.buckets();
+          ASSERT_EQ(recs.size(), buckets.size()) << "step " << step;
+          for (size_t b = 0; b < buckets.size(); ++b) {
+            EXPECT_EQ(recs[b].op, "all_reduce");
+            EXPECT_EQ(recs[b].reduce, "avg");
+            EXPECT_EQ(recs[b].numel, buckets[b].numel) << "bucket " << b;
+            EXPECT_EQ(recs[b].bytes, buckets[b].numel * 4);
+            EXPECT_GT(recs[b].end_ns, 0) << "complete when backward returns";
+          }
+          if (comm.rank() == 0)
+            std::cout << "step " << step << ": " << recs.size() << " all-reduces for " << buckets.size()
+                      << " buckets\n";
+          opt->step();
+        }
+        int64_t total = 0;
+        for (const auto& b : ddp.buckets()) total += b.numel;
+        int64_t expected = 0;
+        for (const auto& p : trainable_parameters(*model)) expected += p.numel();
+        EXPECT_EQ(total, expected) << "every trainable parameter is in exactly one bucket";
+      },
+      test_group());
 }
 
 TEST(BucketedDDP, FirstBucketStartsBeforeBackwardEnds) {
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("tiny_gpt", 4);
-    Options options;
-    options.caps = {4096, 16384};
-    BucketedDDP ddp(model, comm, options);
-    auto data = make_dataset("tiny_gpt", 4);
-    ASSERT_GE(ddp.buckets().size(), 3u);
-    for (int step = 0; step < 3; ++step) {
-      const size_t mark = comm.recorder().size();
-      at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2));
-      const size_t start = comm.recorder().size();
-      loss.backward();
-      (void)mark;
-      const auto recs = comm.recorder().since(start);
-      ASSERT_FALSE(recs.empty());
-      const int64_t lead = ddp.backward_compute_end_ns() - recs.front().start_ns;
-      if (comm.rank() == 0)
-        std::cout << "step " << step << ": first bucket's all-reduce started " << lead / 1000.0
-                  << " us before backward finished computing (" << recs.size() << " buckets)\n";
-      EXPECT_LT(recs.front().start_ns, ddp.backward_compute_end_ns())
-          << "the first bucket must be launched during backward, not after it";
-      EXPECT_LT(recs.front().start_ns, recs.back().start_ns);
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 4);
+        Options options;
+        options.caps = {4096, 16384};
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset("tiny_gpt", 4);
+        ASSERT_GE(ddp.buckets().size(), 3u);
+        for (int step = 0; step < 3; ++step) {
+          const size_t mark = comm.recorder().size();
+          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2));
+          const size_t start = comm.recorder().size();
+          loss.backward();
+          (void)mark;
+          const auto recs = comm.recorder().since(start);
+          ASSERT_FALSE(recs.empty());
+          const int64_t lead = ddp.backward_compute_end_ns() - recs.front().start_ns;
+          if (comm.rank() == 0)
+            std::cout << "step " << step << ": first bucket's all-reduce started " << lead / 1000.0
+                      << " us before backward finished computing (" << recs.size() << " buckets)\n";
+          EXPECT_LT(recs.front().start_ns, ddp.backward_compute_end_ns())
+              << "the first bucket must be launched during backward, not after it";
+          EXPECT_LT(recs.front().start_ns, recs.back().start_ns);
+        }
+      },
+      test_group());
 }
 
 // A model whose registration order differs from its use order: registered a, b, c; used c -> a -> b (or, with
@@ -271,31 +279,35 @@ TEST(BucketedDDP, RebuildFollowsTheGradientReadyOrderOnEveryRank) {
   const int world = 3;
   std::vector<std::vector<size_t>> initial(world), ready(world), rebuilt(world);
   std::vector<std::vector<std::string>> names(world);
-  run_ranks(world, [&](Communicator& comm) {
-    // Rank 0 uses the layers in one order, the others in another: their ready orders differ, and every rank
-    // must still adopt rank 0's.
-    auto model = std::make_shared<Shuffled>(/*other=*/comm.rank() != 0);
-    Options options;
-    options.caps = {200, 300};  // weight 256 B, bias 32 B: several buckets
-    BucketedDDP ddp(model, comm, options);
-    for (const auto& b : ddp.buckets()) initial[comm.rank()].insert(initial[comm.rank()].end(), b.params.begin(), b.params.end());
-    Batch batch{at::linspace(-1, 1, 32).view({4, 8}), at::arange(4, at::kLong), 0};
-    ddp.loss(batch).backward();
-    ready[comm.rank()] = ddp.ready_order();
-    EXPECT_FALSE(ddp.rebuilt());
-    ddp.loss(batch).backward();  // the forward rebuilds
-    EXPECT_TRUE(ddp.rebuilt());
-    for (const auto& b : ddp.buckets()) rebuilt[comm.rank()].insert(rebuilt[comm.rank()].end(), b.params.begin(), b.params.end());
-    names[comm.rank()] = ddp.parameter_names();
-  }, test_group());
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        // Rank 0 uses the layers in one order, the others in another: their ready orders differ, and every rank
+        // must still adopt rank 0's.
+        auto model = std::make_shared<Shuffled>(/*other=*/comm.rank() != 0);
+        Options options;
+        options.caps = {200, 300};  // weight 256 B, bias 32 B: several buckets
+        BucketedDDP ddp(model, comm, options);
+        for (const auto& b : ddp.buckets())
+          initial[comm.rank()].insert(initial[comm.rank()].end(), b.params.begin(), b.params.end());
+        Batch batch{at::linspace(-1, 1, 32).view({4, 8}), at::arange(4, at::kLong), 0};
+        ddp.loss(batch).backward();
+        ready[comm.rank()] = ddp.ready_order();
+        EXPECT_FALSE(ddp.rebuilt());
+        ddp.loss(batch).backward();  // the forward rebuilds
+        EXPECT_TRUE(ddp.rebuilt());
+        for (const auto& b : ddp.buckets())
+          rebuilt[comm.rank()].insert(rebuilt[comm.rank()].end(), b.params.begin(), b.params.end());
+        names[comm.rank()] = ddp.parameter_names();
+      },
+      test_group());
   auto show = [&](const std::vector<size_t>& order) {
     std::string s;
     for (size_t i : order) s += names[0][i] + " ";
     return s;
   };
   std::cout << "initial layout:       " << show(initial[0]) << "\nready order, rank 0:  " << show(ready[0])
-            << "\nready order, rank 1:  " << show(ready[1]) << "\nrebuilt layout:       " << show(rebuilt[0])
-            << "\n";
+            << "\nready order, rank 1:  " << show(ready[1]) << "\nrebuilt layout:       " << show(rebuilt[0]) << "\n";
   EXPECT_NE(initial[0], ready[0]) << "the test model must make the ready order differ from registration";
   EXPECT_NE(ready[1], ready[0]) << "the test must give rank 1 another ready order than rank 0";
   for (int r = 0; r < world; ++r)
@@ -307,53 +319,56 @@ TEST(BucketedDDP, RebuildFollowsTheGradientReadyOrderOnEveryRank) {
 }
 
 TEST(BucketedDDP, GradientsAreViewsIntoTheFlatBuffer) {
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("tiny_gpt", 5);
-    Options options;
-    options.caps = {2048, 8192};
-    BucketedDDP ddp(model, comm, options);
-    auto data = make_dataset("tiny_gpt", 5);
-    auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
-    const at::Tensor buffer = ddp.grad_buffer(at::kFloat);
-    ASSERT_TRUE(buffer.defined());
-    auto check = [&](const char* when) {
-      const at::Tensor buf = ddp.grad_buffer(at::kFloat);
-      const auto* begin = static_cast<const char*>(buf.data_ptr());
-      const auto* end = begin + buf.numel() * buf.element_size();
-      for (size_t i = 0; i < ddp.parameters().size(); ++i) {
-        const at::Tensor g = ddp.parameters()[i].grad();
-        ASSERT_TRUE(g.defined()) << when << ": " << ddp.parameter_names()[i];
-        EXPECT_TRUE(g.is_alias_of(buf)) << when << ": " << ddp.parameter_names()[i];
-        const auto* p = static_cast<const char*>(g.data_ptr());
-        EXPECT_TRUE(p >= begin && p + g.numel() * g.element_size() <= end) << when;
-      }
-    };
-    check("after construction");
-    for (int step = 0; step < 3; ++step) {
-      compat::zero_grad(*opt);
-      ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2)).backward();
-      check("after backward");
-      // layout: bucket b's slice is exactly its parameters' gradients, in bucket order (same memory)
-      for (const auto& b : ddp.buckets()) {
-        int64_t at = 0;
-        for (size_t i : b.params) {
-          const at::Tensor g = ddp.parameters()[i].grad();
-          EXPECT_TRUE(at::equal(b.flat.narrow(0, at, g.numel()), g.reshape({-1})));
-          at += g.numel();
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 5);
+        Options options;
+        options.caps = {2048, 8192};
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset("tiny_gpt", 5);
+        auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
+        const at::Tensor buffer = ddp.grad_buffer(at::kFloat);
+        ASSERT_TRUE(buffer.defined());
+        auto check = [&](const char* when) {
+          const at::Tensor buf = ddp.grad_buffer(at::kFloat);
+          const auto* begin = static_cast<const char*>(buf.data_ptr());
+          const auto* end = begin + buf.numel() * buf.element_size();
+          for (size_t i = 0; i < ddp.parameters().size(); ++i) {
+            const at::Tensor g = ddp.parameters()[i].grad();
+            ASSERT_TRUE(g.defined()) << when << ": " << ddp.parameter_names()[i];
+            EXPECT_TRUE(g.is_alias_of(buf)) << when << ": " << ddp.parameter_names()[i];
+            const auto* p = static_cast<const char*>(g.data_ptr());
+            EXPECT_TRUE(p >= begin && p + g.numel() * g.element_size() <= end) << when;
+          }
+        };
+        check("after construction");
+        for (int step = 0; step < 3; ++step) {
+          compat::zero_grad(*opt);
+          ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2)).backward();
+          check("after backward");
+          // layout: bucket b's slice is exactly its parameters' gradients, in bucket order (same memory)
+          for (const auto& b : ddp.buckets()) {
+            int64_t at = 0;
+            for (size_t i : b.params) {
+              const at::Tensor g = ddp.parameters()[i].grad();
+              EXPECT_TRUE(at::equal(b.flat.narrow(0, at, g.numel()), g.reshape({-1})));
+              at += g.numel();
+            }
+          }
+          opt->step();
         }
-      }
-      opt->step();
-    }
-    // Something drops a .grad (libtorch 2.x zero_grad sets them to None): the next forward re-attaches a view.
-    at::Tensor& g0 = ddp.parameters()[0].mutable_grad();
-    g0 = at::Tensor();
-    ddp.parameters()[1].mutable_grad() = at::ones_like(ddp.parameters()[1]);
-    ddp.loss(rank_slice(data->global_batch(3, 4), comm.rank(), 2));
-    check("after a .grad was dropped and another replaced");
-    EXPECT_EQ(ddp.parameters()[0].grad().abs().sum().item<double>(), 0.0) << "a dropped grad comes back as zeros";
-    EXPECT_EQ(ddp.parameters()[1].grad().sum().item<double>(), static_cast<double>(ddp.parameters()[1].numel()))
-        << "a replaced grad keeps its value";
-  }, test_group());
+        // Something drops a .grad (libtorch 2.x zero_grad sets them to None): the next forward re-attaches a view.
+        at::Tensor& g0 = ddp.parameters()[0].mutable_grad();
+        g0 = at::Tensor();
+        ddp.parameters()[1].mutable_grad() = at::ones_like(ddp.parameters()[1]);
+        ddp.loss(rank_slice(data->global_batch(3, 4), comm.rank(), 2));
+        check("after a .grad was dropped and another replaced");
+        EXPECT_EQ(ddp.parameters()[0].grad().abs().sum().item<double>(), 0.0) << "a dropped grad comes back as zeros";
+        EXPECT_EQ(ddp.parameters()[1].grad().sum().item<double>(), static_cast<double>(ddp.parameters()[1].numel()))
+            << "a replaced grad keeps its value";
+      },
+      test_group());
 }
 
 // libtorch 2.x's zero_grad() drops every .grad; a user may call it between the forward and backward. The
@@ -366,23 +381,27 @@ TEST(BucketedDDP, GradientsDroppedBetweenForwardAndBackwardAreStillAveraged) {
   c.seed = 4;
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(c.model, c.seed);
-    Options options;
-    options.caps = mlp_caps(3);
-    BucketedDDP ddp(model, comm, options);
-    auto data = make_dataset(c.model, c.seed);
-    auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
-    for (int step = 0; step < c.steps; ++step) {
-      at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), 2));
-      for (const auto& p : ddp.parameters()) p.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
-      loss.backward();
-      for (size_t i = 0; i < ddp.parameters().size(); ++i)
-        EXPECT_TRUE(ddp.parameters()[i].grad().is_alias_of(ddp.grad_buffer(at::kFloat))) << ddp.parameter_names()[i];
-      opt->step();
-    }
-    finals[comm.rank()] = model->parameters();
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c.model, c.seed);
+        Options options;
+        options.caps = mlp_caps(3);
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset(c.model, c.seed);
+        auto opt = make_optimizer(c.optimizer, trainable_parameters(*model), c.lr);
+        for (int step = 0; step < c.steps; ++step) {
+          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), 2));
+          for (const auto& p : ddp.parameters()) p.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
+          loss.backward();
+          for (size_t i = 0; i < ddp.parameters().size(); ++i)
+            EXPECT_TRUE(ddp.parameters()[i].grad().is_alias_of(ddp.grad_buffer(at::kFloat)))
+                << ddp.parameter_names()[i];
+          opt->step();
+        }
+        finals[comm.rank()] = model->parameters();
+      },
+      test_group());
   for (int r = 0; r < 2; ++r) {
     const double diff = max_abs_diff(finals[r], ref.params);
     std::cout << "rank " << r << ": max |param - reference| = " << diff << "\n";
@@ -392,17 +411,21 @@ TEST(BucketedDDP, GradientsDroppedBetweenForwardAndBackwardAreStillAveraged) {
 
 TEST(BucketedDDP, DoubleBackwardIsAnErrorThatNamesAParameter) {
   std::vector<std::string> errors(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("mlp", 2);
-    BucketedDDP ddp(model, comm);
-    auto data = make_dataset("mlp", 2);
-    try {
-      ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward({}, /*retain_graph=*/true,
-                                                                               /*create_graph=*/true);
-    } catch (const std::exception& e) {
-      errors[comm.rank()] = e.what();
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 2);
+        BucketedDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 2);
+        try {
+          ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2))
+              .backward({}, /*retain_graph=*/true,
+                        /*create_graph=*/true);
+        } catch (const std::exception& e) {
+          errors[comm.rank()] = e.what();
+        }
+      },
+      test_group());
   for (int r = 0; r < 2; ++r) {
     std::cout << "rank " << r << ": " << errors[r].substr(0, 160) << "\n";
     EXPECT_NE(errors[r].find("create_graph"), std::string::npos) << errors[r];
@@ -412,38 +435,44 @@ TEST(BucketedDDP, DoubleBackwardIsAnErrorThatNamesAParameter) {
 
 // A forward without grad (evaluation) on one rank only must not issue the rebuild's broadcast.
 TEST(BucketedDDP, EvaluationForwardOnOneRankRunsNoCollective) {
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("mlp", 3);
-    BucketedDDP ddp(model, comm);
-    auto data = make_dataset("mlp", 3);
-    ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();  // a rebuild is now pending
-    const size_t mark = comm.recorder().size();
-    if (comm.rank() == 0) {
-      at::NoGradGuard no_grad;
-      ddp.loss(data->global_batch(1, 8));
-    }
-    EXPECT_EQ(comm.recorder().size(), mark) << "no collective in an evaluation forward";
-    EXPECT_FALSE(ddp.rebuilt());
-    ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward();  // the rebuild happens here
-    EXPECT_TRUE(ddp.rebuilt());
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 3);
+        BucketedDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 3);
+        ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();  // a rebuild is now pending
+        const size_t mark = comm.recorder().size();
+        if (comm.rank() == 0) {
+          at::NoGradGuard no_grad;
+          ddp.loss(data->global_batch(1, 8));
+        }
+        EXPECT_EQ(comm.recorder().size(), mark) << "no collective in an evaluation forward";
+        EXPECT_FALSE(ddp.rebuilt());
+        ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward();  // the rebuild happens here
+        EXPECT_TRUE(ddp.rebuilt());
+      },
+      test_group());
 }
 
 TEST(BucketedDDP, UnusedParameterIsAnErrorThatNamesIt) {
   std::vector<std::string> errors(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("edge", 6);
-    BucketedDDP ddp(model, comm);  // find_unused_parameters = false
-    auto data = make_dataset("edge", 6);
-    ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();  // even step: all used
-    try {
-      ddp.loss(rank_slice(data->global_batch(1, 8), comm.rank(), 2)).backward();  // odd: `sometimes` unused
-    } catch (const std::exception& e) {
-      errors[comm.rank()] = e.what();
-    }
-    // the wrapper is usable again afterwards (nothing left pending)
-    ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward();
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("edge", 6);
+        BucketedDDP ddp(model, comm);  // find_unused_parameters = false
+        auto data = make_dataset("edge", 6);
+        ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();  // even step: all used
+        try {
+          ddp.loss(rank_slice(data->global_batch(1, 8), comm.rank(), 2)).backward();  // odd: `sometimes` unused
+        } catch (const std::exception& e) {
+          errors[comm.rank()] = e.what();
+        }
+        // the wrapper is usable again afterwards (nothing left pending)
+        ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward();
+      },
+      test_group());
   for (int r = 0; r < 2; ++r) {
     std::cout << "rank " << r << ": " << errors[r] << "\n";
     EXPECT_NE(errors[r].find("'sometimes'"), std::string::npos) << errors[r];
@@ -463,12 +492,15 @@ TEST(BucketedDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesAndFrozenPa
 }
 
 TEST(BucketedDDP, RejectsNonPositiveCaps) {
-  run_ranks(1, [&](Communicator& comm) {
-    EXPECT_EQ(BucketedDDP(make_model("mlp", 1), comm, Options{}).buckets().size(), 1u) << "default caps work";
-    Options options;
-    options.caps.bytes = 0;
-    EXPECT_THROW(BucketedDDP(make_model("mlp", 1), comm, options), std::invalid_argument);
-  }, test_group());
+  run_ranks(
+      1,
+      [&](Communicator& comm) {
+        EXPECT_EQ(BucketedDDP(make_model("mlp", 1), comm, Options{}).buckets().size(), 1u) << "default caps work";
+        Options options;
+        options.caps.bytes = 0;
+        EXPECT_THROW(BucketedDDP(make_model("mlp", 1), comm, options), std::invalid_argument);
+      },
+      test_group());
 }
 
 }  // namespace

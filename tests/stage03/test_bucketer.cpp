@@ -68,29 +68,32 @@ double check_results(const Results& res, int rank, int world, const std::vector<
 TEST(Bucketer, SmallInputsShareOneCollectiveAfterFlush) {
   for (int world : {2, 3}) {
     const std::vector<int64_t> shards{5, 7, 3};
-    run_ranks(world, [&](Communicator& comm) {
-      ReduceScatterBucketer bucketer;  // 25 MiB: everything fits
-      Results res;
-      const size_t mark = comm.recorder().size();
-      for (int i = 0; i < 3; ++i)
-        bucketer.reduce_scatter_async(input_of(comm.rank(), i, world, shards[i]), comm, res.slot(i));
-      EXPECT_EQ(comm.recorder().size(), mark) << "nothing is sent before flush";
-      EXPECT_EQ(bucketer.pending_callbacks(), 3u);
-      EXPECT_TRUE(res.order.empty()) << "callbacks run in flush() only";
-      bucketer.flush();
-      const auto recs = comm.recorder().since(mark);
-      ASSERT_EQ(recs.size(), 1u) << "three small inputs, one collective";
-      EXPECT_EQ(recs[0].op, "reduce_scatter");
-      EXPECT_EQ(recs[0].reduce, "sum");
-      EXPECT_EQ(recs[0].numel, world * (5 + 7 + 3)) << "world * the sum of the shards";
-      EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2})) << "submission order";
-      EXPECT_EQ(bucketer.pending_callbacks(), 0u);
-      EXPECT_EQ(bucketer.in_flight(), 0u);
-      const double diff = check_results(res, comm.rank(), world, shards);
-      if (comm.rank() == 0)
-        std::cout << "world " << world << ": 3 inputs -> " << recs.size() << " collective of " << recs[0].numel
-                  << " elements (wire " << recs[0].wire_op << "), max |chunk - exact sum| = " << diff << "\n";
-    }, test_group());
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          ReduceScatterBucketer bucketer;  // 25 MiB: everything fits
+          Results res;
+          const size_t mark = comm.recorder().size();
+          for (int i = 0; i < 3; ++i)
+            bucketer.reduce_scatter_async(input_of(comm.rank(), i, world, shards[i]), comm, res.slot(i));
+          EXPECT_EQ(comm.recorder().size(), mark) << "nothing is sent before flush";
+          EXPECT_EQ(bucketer.pending_callbacks(), 3u);
+          EXPECT_TRUE(res.order.empty()) << "callbacks run in flush() only";
+          bucketer.flush();
+          const auto recs = comm.recorder().since(mark);
+          ASSERT_EQ(recs.size(), 1u) << "three small inputs, one collective";
+          EXPECT_EQ(recs[0].op, "reduce_scatter");
+          EXPECT_EQ(recs[0].reduce, "sum");
+          EXPECT_EQ(recs[0].numel, world * (5 + 7 + 3)) << "world * the sum of the shards";
+          EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2})) << "submission order";
+          EXPECT_EQ(bucketer.pending_callbacks(), 0u);
+          EXPECT_EQ(bucketer.in_flight(), 0u);
+          const double diff = check_results(res, comm.rank(), world, shards);
+          if (comm.rank() == 0)
+            std::cout << "world " << world << ": 3 inputs -> " << recs.size() << " collective of " << recs[0].numel
+                      << " elements (wire " << recs[0].wire_op << "), max |chunk - exact sum| = " << diff << "\n";
+        },
+        test_group());
   }
 }
 
@@ -98,217 +101,240 @@ TEST(Bucketer, SmallInputsShareOneCollectiveAfterFlush) {
 // Communicator::reduce_scatter of each input.
 TEST(Bucketer, MatchesADirectReduceScatter) {
   const std::vector<int64_t> shards{11, 4, 9, 1};
-  run_ranks(2, [&](Communicator& comm) {
-    ReduceScatterBucketer bucketer;
-    Results res;
-    std::vector<at::Tensor> inputs;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      inputs.push_back(input_of(comm.rank(), static_cast<int>(i), 2, shards[i], at::kFloat, /*normal=*/true));
-      bucketer.reduce_scatter_async(inputs.back(), comm, res.slot(static_cast<int>(i)));
-    }
-    bucketer.flush();
-    double max_diff = 0;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      at::Tensor direct = at::empty({shards[i]});
-      comm.reduce_scatter(direct, inputs[i]).wait();
-      max_diff = std::max(max_diff, (res.got[i] - direct).abs().max().item<double>());
-      EXPECT_TRUE(at::equal(res.got[i], direct)) << "input " << i;
-    }
-    if (comm.rank() == 0) std::cout << "max |bucketed - direct reduce_scatter| = " << max_diff << "\n";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer;
+        Results res;
+        std::vector<at::Tensor> inputs;
+        for (size_t i = 0; i < shards.size(); ++i) {
+          inputs.push_back(input_of(comm.rank(), static_cast<int>(i), 2, shards[i], at::kFloat, /*normal=*/true));
+          bucketer.reduce_scatter_async(inputs.back(), comm, res.slot(static_cast<int>(i)));
+        }
+        bucketer.flush();
+        double max_diff = 0;
+        for (size_t i = 0; i < shards.size(); ++i) {
+          at::Tensor direct = at::empty({shards[i]});
+          comm.reduce_scatter(direct, inputs[i]).wait();
+          max_diff = std::max(max_diff, (res.got[i] - direct).abs().max().item<double>());
+          EXPECT_TRUE(at::equal(res.got[i], direct)) << "input " << i;
+        }
+        if (comm.rank() == 0) std::cout << "max |bucketed - direct reduce_scatter| = " << max_diff << "\n";
+      },
+      test_group());
 }
 
 TEST(Bucketer, LargeInputIsSentAtOnce) {
-  run_ranks(2, [&](Communicator& comm) {
-    ReduceScatterBucketer bucketer(256);  // 256 B / 4 B / 2 ranks = 32 elements per rank
-    ASSERT_EQ(bucketer.shard_capacity(at::kFloat, 2), 32);
-    Results res;
-    const std::vector<int64_t> shards{6, 40, 4};
-    const size_t mark = comm.recorder().size();
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, shards[0]), comm, res.slot(0));
-    EXPECT_EQ(comm.recorder().size(), mark);
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, shards[1]), comm, res.slot(1));  // 40 > 32
-    const auto before = comm.recorder().since(mark);
-    ASSERT_EQ(before.size(), 1u) << "the large input is launched at once, before flush";
-    EXPECT_EQ(before[0].numel, 2 * 40);
-    EXPECT_EQ(bucketer.in_flight(), 1u);
-    EXPECT_TRUE(res.order.empty()) << "its callback waits for flush()";
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 2, 2, shards[2]), comm, res.slot(2));
-    EXPECT_EQ(comm.recorder().size(), mark + 1) << "the small ones still share the open bucket";
-    bucketer.flush();
-    const auto recs = comm.recorder().since(mark);
-    ASSERT_EQ(recs.size(), 2u);
-    EXPECT_EQ(recs[1].numel, 2 * (6 + 4));
-    EXPECT_EQ(res.order, (std::vector<int>{1, 0, 2})) << "launch order: the large input went first";
-    const double diff = check_results(res, comm.rank(), 2, shards);
-    if (comm.rank() == 0) std::cout << "large input sent at once; max |chunk - exact sum| = " << diff << "\n";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer(256);  // 256 B / 4 B / 2 ranks = 32 elements per rank
+        ASSERT_EQ(bucketer.shard_capacity(at::kFloat, 2), 32);
+        Results res;
+        const std::vector<int64_t> shards{6, 40, 4};
+        const size_t mark = comm.recorder().size();
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, shards[0]), comm, res.slot(0));
+        EXPECT_EQ(comm.recorder().size(), mark);
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, shards[1]), comm, res.slot(1));  // 40 > 32
+        const auto before = comm.recorder().since(mark);
+        ASSERT_EQ(before.size(), 1u) << "the large input is launched at once, before flush";
+        EXPECT_EQ(before[0].numel, 2 * 40);
+        EXPECT_EQ(bucketer.in_flight(), 1u);
+        EXPECT_TRUE(res.order.empty()) << "its callback waits for flush()";
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 2, 2, shards[2]), comm, res.slot(2));
+        EXPECT_EQ(comm.recorder().size(), mark + 1) << "the small ones still share the open bucket";
+        bucketer.flush();
+        const auto recs = comm.recorder().since(mark);
+        ASSERT_EQ(recs.size(), 2u);
+        EXPECT_EQ(recs[1].numel, 2 * (6 + 4));
+        EXPECT_EQ(res.order, (std::vector<int>{1, 0, 2})) << "launch order: the large input went first";
+        const double diff = check_results(res, comm.rank(), 2, shards);
+        if (comm.rank() == 0) std::cout << "large input sent at once; max |chunk - exact sum| = " << diff << "\n";
+      },
+      test_group());
 }
 
 TEST(Bucketer, DtypesGetSeparateBuckets) {
-  run_ranks(2, [&](Communicator& comm) {
-    ReduceScatterBucketer bucketer;
-    Results res;
-    const std::vector<int64_t> shards{3, 5, 4, 2};
-    const std::vector<c10::ScalarType> dtypes{at::kFloat, at::kDouble, at::kFloat, at::kDouble};
-    const size_t mark = comm.recorder().size();
-    for (int i = 0; i < 4; ++i)
-      bucketer.reduce_scatter_async(input_of(comm.rank(), i, 2, shards[i], dtypes[i]), comm, res.slot(i));
-    EXPECT_EQ(bucketer.num_buckets(), 2u);
-    bucketer.flush();
-    const auto recs = comm.recorder().since(mark);
-    ASSERT_EQ(recs.size(), 2u) << "one collective per dtype";
-    EXPECT_EQ(recs[0].dtype, at::kFloat);
-    EXPECT_EQ(recs[0].numel, 2 * (3 + 4));
-    EXPECT_EQ(recs[1].dtype, at::kDouble);
-    EXPECT_EQ(recs[1].numel, 2 * (5 + 2));
-    EXPECT_EQ(res.order, (std::vector<int>{0, 2, 1, 3})) << "bucket by bucket, submission order within";
-    const double diff = check_results(res, comm.rank(), 2, shards, dtypes);
-    if (comm.rank() == 0) std::cout << "f32 + f64 -> 2 collectives; max |chunk - exact sum| = " << diff << "\n";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer;
+        Results res;
+        const std::vector<int64_t> shards{3, 5, 4, 2};
+        const std::vector<c10::ScalarType> dtypes{at::kFloat, at::kDouble, at::kFloat, at::kDouble};
+        const size_t mark = comm.recorder().size();
+        for (int i = 0; i < 4; ++i)
+          bucketer.reduce_scatter_async(input_of(comm.rank(), i, 2, shards[i], dtypes[i]), comm, res.slot(i));
+        EXPECT_EQ(bucketer.num_buckets(), 2u);
+        bucketer.flush();
+        const auto recs = comm.recorder().since(mark);
+        ASSERT_EQ(recs.size(), 2u) << "one collective per dtype";
+        EXPECT_EQ(recs[0].dtype, at::kFloat);
+        EXPECT_EQ(recs[0].numel, 2 * (3 + 4));
+        EXPECT_EQ(recs[1].dtype, at::kDouble);
+        EXPECT_EQ(recs[1].numel, 2 * (5 + 2));
+        EXPECT_EQ(res.order, (std::vector<int>{0, 2, 1, 3})) << "bucket by bucket, submission order within";
+        const double diff = check_results(res, comm.rank(), 2, shards, dtypes);
+        if (comm.rank() == 0) std::cout << "f32 + f64 -> 2 collectives; max |chunk - exact sum| = " << diff << "\n";
+      },
+      test_group());
 }
 
 TEST(Bucketer, AFullBucketIsLaunchedWithoutWaitingAndBuffersAreReused) {
-  run_ranks(2, [&](Communicator& comm) {
-    ReduceScatterBucketer bucketer(64);  // 64 B / 4 B / 2 ranks = 8 elements per rank
-    ASSERT_EQ(bucketer.shard_capacity(at::kFloat, 2), 8);
-    const std::vector<int64_t> shards{5, 5, 3};
-    int64_t first_round_bytes = 0;
-    for (int round = 0; round < 2; ++round) {
-      Results res;
-      const size_t mark = comm.recorder().size();
-      bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, shards[0]), comm, res.slot(0));
-      EXPECT_EQ(comm.recorder().size(), mark);
-      bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, shards[1]), comm, res.slot(1));  // 5 > 8 - 5
-      auto recs = comm.recorder().since(mark);
-      ASSERT_EQ(recs.size(), 1u) << "the full bucket is launched when the next input does not fit";
-      EXPECT_EQ(recs[0].numel, 2 * 5);
-      EXPECT_EQ(bucketer.in_flight(), 1u);
-      EXPECT_TRUE(res.order.empty()) << "launched, not waited for: callbacks run in flush()";
-      bucketer.reduce_scatter_async(input_of(comm.rank(), 2, 2, shards[2]), comm, res.slot(2));  // 5 + 3 fits
-      EXPECT_EQ(comm.recorder().size(), mark + 1);
-      bucketer.flush();
-      recs = comm.recorder().since(mark);
-      ASSERT_EQ(recs.size(), 2u);
-      EXPECT_EQ(recs[1].numel, 2 * (5 + 3));
-      EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2}));
-      const double diff = check_results(res, comm.rank(), 2, shards);
-      const int64_t bytes = bucketer.allocated_bytes();
-      if (round == 0) {
-        // Two buffers of (2 rows + 1 output) * 8 floats: the one in flight and the one that replaced it.
-        EXPECT_EQ(bytes, 2 * (2 * 8 + 8) * 4);
-        first_round_bytes = bytes;
-      } else {
-        EXPECT_EQ(bytes, first_round_bytes) << "the second round reuses the buffers";
-      }
-      if (comm.rank() == 0)
-        std::cout << "round " << round << ": bucket filled -> launched early; " << bytes
-                  << " bytes of buffers; max |chunk - exact sum| = " << diff << "\n";
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer(64);  // 64 B / 4 B / 2 ranks = 8 elements per rank
+        ASSERT_EQ(bucketer.shard_capacity(at::kFloat, 2), 8);
+        const std::vector<int64_t> shards{5, 5, 3};
+        int64_t first_round_bytes = 0;
+        for (int round = 0; round < 2; ++round) {
+          Results res;
+          const size_t mark = comm.recorder().size();
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, shards[0]), comm, res.slot(0));
+          EXPECT_EQ(comm.recorder().size(), mark);
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, shards[1]), comm, res.slot(1));  // 5 > 8 - 5
+          auto recs = comm.recorder().since(mark);
+          ASSERT_EQ(recs.size(), 1u) << "the full bucket is launched when the next input does not fit";
+          EXPECT_EQ(recs[0].numel, 2 * 5);
+          EXPECT_EQ(bucketer.in_flight(), 1u);
+          EXPECT_TRUE(res.order.empty()) << "launched, not waited for: callbacks run in flush()";
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 2, 2, shards[2]), comm, res.slot(2));  // 5 + 3 fits
+          EXPECT_EQ(comm.recorder().size(), mark + 1);
+          bucketer.flush();
+          recs = comm.recorder().since(mark);
+          ASSERT_EQ(recs.size(), 2u);
+          EXPECT_EQ(recs[1].numel, 2 * (5 + 3));
+          EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2}));
+          const double diff = check_results(res, comm.rank(), 2, shards);
+          const int64_t bytes = bucketer.allocated_bytes();
+          if (round == 0) {
+            // Two buffers of (2 rows + 1 output) * 8 floats: the one in flight and the one that replaced it.
+            EXPECT_EQ(bytes, 2 * (2 * 8 + 8) * 4);
+            first_round_bytes = bytes;
+          } else {
+            EXPECT_EQ(bytes, first_round_bytes) << "the second round reuses the buffers";
+          }
+          if (comm.rank() == 0)
+            std::cout << "round " << round << ": bucket filled -> launched early; " << bytes
+                      << " bytes of buffers; max |chunk - exact sum| = " << diff << "\n";
+        }
+      },
+      test_group());
 }
 
 TEST(Bucketer, TeardownFreesBuffersAndRefusesPendingWork) {
-  run_ranks(2, [&](Communicator& comm) {
-    ReduceScatterBucketer bucketer(256);
-    Results res;
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 6), comm, res.slot(0));
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, 40), comm, res.slot(1));  // large: in flight
-    try {
-      bucketer.teardown();
-      ADD_FAILURE() << "teardown with pending work must throw";
-    } catch (const std::logic_error& e) {
-      if (comm.rank() == 0) std::cout << "teardown while pending: " << e.what() << "\n";
-      EXPECT_NE(std::string(e.what()).find("flush()"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("2 reduce-scatter(s) still pending"), std::string::npos) << e.what();
-    }
-    bucketer.flush();
-    check_results(res, comm.rank(), 2, {6, 40});
-    const std::vector<at::Tensor> held = bucketer.buffers();
-    ASSERT_FALSE(held.empty());
-    EXPECT_GT(bucketer.allocated_bytes(), 0);
-    bucketer.teardown();
-    EXPECT_EQ(bucketer.allocated_bytes(), 0);
-    for (const auto& t : held) EXPECT_EQ(t.storage().nbytes(), 0u) << "storage freed, even if someone holds it";
-    // Usable again: buffers grow back on the next use.
-    Results again;
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 6), comm, again.slot(0));
-    bucketer.flush();
-    check_results(again, comm.rank(), 2, {6});
-    EXPECT_GT(bucketer.allocated_bytes(), 0);
-    if (comm.rank() == 0)
-      std::cout << held.size() << " buffers freed by teardown, " << bucketer.allocated_bytes()
-                << " bytes after reuse\n";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer(256);
+        Results res;
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 6), comm, res.slot(0));
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, 40), comm, res.slot(1));  // large: in flight
+        try {
+          bucketer.teardown();
+          ADD_FAILURE() << "teardown with pending work must throw";
+        } catch (const std::logic_error& e) {
+          if (comm.rank() == 0) std::cout << "teardown while pending: " << e.what() << "\n";
+          EXPECT_NE(std::string(e.what()).find("flush()"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("2 reduce-scatter(s) still pending"), std::string::npos) << e.what();
+        }
+        bucketer.flush();
+        check_results(res, comm.rank(), 2, {6, 40});
+        const std::vector<at::Tensor> held = bucketer.buffers();
+        ASSERT_FALSE(held.empty());
+        EXPECT_GT(bucketer.allocated_bytes(), 0);
+        bucketer.teardown();
+        EXPECT_EQ(bucketer.allocated_bytes(), 0);
+        for (const auto& t : held) EXPECT_EQ(t.storage().nbytes(), 0u) << "storage freed, even if someone holds it";
+        // Usable again: buffers grow back on the next use.
+        Results again;
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 6), comm, again.slot(0));
+        bucketer.flush();
+        check_results(again, comm.rank(), 2, {6});
+        EXPECT_GT(bucketer.allocated_bytes(), 0);
+        if (comm.rank() == 0)
+          std::cout << held.size() << " buffers freed by teardown, " << bucketer.allocated_bytes()
+                    << " bytes after reuse\n";
+      },
+      test_group());
 }
 
 TEST(Bucketer, NonPositiveCapSendsEverythingAtOnce) {
   for (int64_t cap : {0, -1}) {
-    run_ranks(2, [&](Communicator& comm) {
-      ReduceScatterBucketer bucketer(cap);
-      EXPECT_EQ(bucketer.shard_capacity(at::kFloat, 2), 0);
-      Results res;
-      const std::vector<int64_t> shards{1, 2, 3};
-      const size_t mark = comm.recorder().size();
-      for (int i = 0; i < 3; ++i) {
-        bucketer.reduce_scatter_async(input_of(comm.rank(), i, 2, shards[i]), comm, res.slot(i));
-        EXPECT_EQ(comm.recorder().size(), mark + i + 1) << "input " << i << " is sent at once";
-      }
-      EXPECT_EQ(bucketer.in_flight(), 3u);
-      EXPECT_EQ(bucketer.num_buckets(), 0u);
-      bucketer.flush();
-      EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2}));
-      const double diff = check_results(res, comm.rank(), 2, shards);
-      if (comm.rank() == 0) std::cout << "cap " << cap << ": 3 inputs -> 3 collectives; max diff " << diff << "\n";
-    }, test_group());
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          ReduceScatterBucketer bucketer(cap);
+          EXPECT_EQ(bucketer.shard_capacity(at::kFloat, 2), 0);
+          Results res;
+          const std::vector<int64_t> shards{1, 2, 3};
+          const size_t mark = comm.recorder().size();
+          for (int i = 0; i < 3; ++i) {
+            bucketer.reduce_scatter_async(input_of(comm.rank(), i, 2, shards[i]), comm, res.slot(i));
+            EXPECT_EQ(comm.recorder().size(), mark + i + 1) << "input " << i << " is sent at once";
+          }
+          EXPECT_EQ(bucketer.in_flight(), 3u);
+          EXPECT_EQ(bucketer.num_buckets(), 0u);
+          bucketer.flush();
+          EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2}));
+          const double diff = check_results(res, comm.rank(), 2, shards);
+          if (comm.rank() == 0) std::cout << "cap " << cap << ": 3 inputs -> 3 collectives; max diff " << diff << "\n";
+        },
+        test_group());
   }
 }
 
 TEST(Bucketer, RejectsBadInputsClearly) {
-  run_ranks(2, [&](Communicator& comm) {
-    ReduceScatterBucketer bucketer;
-    auto message = [&](const at::Tensor& t) -> std::string {
-      try {
-        bucketer.reduce_scatter_async(t, comm, nullptr);
-      } catch (const std::invalid_argument& e) {
-        return e.what();
-      }
-      return "";
-    };
-    const std::string odd = message(at::ones({7}));
-    if (comm.rank() == 0) std::cout << "error: " << odd << "\n";
-    EXPECT_NE(odd.find("7 elements, not a multiple of 2"), std::string::npos) << odd;
-    EXPECT_NE(message(at::ones({4}, at::kBool)).find("Bool"), std::string::npos);
-    EXPECT_NE(message(at::Tensor()).find("undefined"), std::string::npos);
-    EXPECT_EQ(bucketer.pending_callbacks(), 0u) << "a rejected input queues nothing";
-    // A null callback is allowed; the bucketer still works after the errors.
-    Results res;
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 3), comm, nullptr);
-    bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, 3), comm, res.slot(1));
-    bucketer.flush();
-    ASSERT_EQ(res.order, (std::vector<int>{1})) << "only the second input has a callback";
-    EXPECT_TRUE(at::equal(res.got[1], expected_chunk(comm.rank(), 1, 2, 3))) << "rank " << comm.rank();
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer;
+        auto message = [&](const at::Tensor& t) -> std::string {
+          try {
+            bucketer.reduce_scatter_async(t, comm, nullptr);
+          } catch (const std::invalid_argument& e) {
+            return e.what();
+          }
+          return "";
+        };
+        const std::string odd = message(at::ones({7}));
+        if (comm.rank() == 0) std::cout << "error: " << odd << "\n";
+        EXPECT_NE(odd.find("7 elements, not a multiple of 2"), std::string::npos) << odd;
+        EXPECT_NE(message(at::ones({4}, at::kBool)).find("Bool"), std::string::npos);
+        EXPECT_NE(message(at::Tensor()).find("undefined"), std::string::npos);
+        EXPECT_EQ(bucketer.pending_callbacks(), 0u) << "a rejected input queues nothing";
+        // A null callback is allowed; the bucketer still works after the errors.
+        Results res;
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 3), comm, nullptr);
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, 3), comm, res.slot(1));
+        bucketer.flush();
+        ASSERT_EQ(res.order, (std::vector<int>{1})) << "only the second input has a callback";
+        EXPECT_TRUE(at::equal(res.got[1], expected_chunk(comm.rank(), 1, 2, 3))) << "rank " << comm.rank();
+      },
+      test_group());
 }
 
 // Destroying a bucketer with collectives in flight waits for them (they write into its buffers) and drops the
 // callbacks; nothing hangs and nothing is written after the buffers are gone.
 TEST(Bucketer, DestructorWaitsForWorkInFlight) {
-  run_ranks(2, [&](Communicator& comm) {
-    bool called = false;
-    {
-      ReduceScatterBucketer bucketer(0);
-      bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 1000), comm, [&](const at::Tensor&) {
-        called = true;
-      });
-      EXPECT_EQ(bucketer.in_flight(), 1u);
-    }
-    EXPECT_FALSE(called);
-    // The group is still in step: another collective completes.
-    at::Tensor t = at::ones({3});
-    comm.all_reduce(t).wait();
-    EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        bool called = false;
+        {
+          ReduceScatterBucketer bucketer(0);
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 1000), comm,
+                                        [&](const at::Tensor&) { called = true; });
+          EXPECT_EQ(bucketer.in_flight(), 1u);
+        }
+        EXPECT_FALSE(called);
+        // The group is still in step: another collective completes.
+        at::Tensor t = at::ones({3});
+        comm.all_reduce(t).wait();
+        EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
+      },
+      test_group());
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // Stage 03 — communication hooks. N ranks (threads, real Gloo): the fp32 all-reduce hook plugged into stage 02's
 // BucketedDDP must change nothing (bit for bit); the fp16 / bf16 hooks must compute exactly what their casts say,
 // train close to the fp32 single-device reference, and halve the bytes on the wire where the backend can.
-#include "shardlab/common/compat.h"
 #include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
@@ -51,8 +51,8 @@ TEST(PredivideFactor, FollowsTheSeedsRuleForWorldSizes1To16) {
     int world;
     double pre, post;
   };
-  const Row table[] = {{1, 1, 1},   {2, 2, 1},    {3, 2, 1.5},  {4, 2, 2},    {5, 2, 2.5},  {6, 4, 1.5},
-                       {7, 2, 3.5}, {8, 4, 2},    {9, 2, 4.5},  {10, 4, 2.5}, {11, 2, 5.5}, {12, 4, 3},
+  const Row table[] = {{1, 1, 1},    {2, 2, 1},    {3, 2, 1.5},  {4, 2, 2},    {5, 2, 2.5},  {6, 4, 1.5},
+                       {7, 2, 3.5},  {8, 4, 2},    {9, 2, 4.5},  {10, 4, 2.5}, {11, 2, 5.5}, {12, 4, 3},
                        {13, 2, 6.5}, {14, 4, 3.5}, {15, 2, 7.5}, {16, 4, 4}};
   for (const Row& row : table) {
     const double pre = gradient_predivide_factor(row.world);
@@ -71,13 +71,16 @@ TEST(PredivideFactor, FollowsTheSeedsRuleForWorldSizes1To16) {
         << "world " << row.world;
   // DefaultState takes the same factors from its group.
   for (int world : {1, 3, 4}) {
-    run_ranks(world, [&](Communicator& comm) {
-      DefaultState state(comm);
-      EXPECT_EQ(state.comm, &comm);
-      EXPECT_EQ(state.world_size, world);
-      EXPECT_EQ(state.gradient_predivide_factor, table[world - 1].pre) << "world " << world;
-      EXPECT_EQ(state.gradient_postdivide_factor, table[world - 1].post) << "world " << world;
-    }, test_group());
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          DefaultState state(comm);
+          EXPECT_EQ(state.comm, &comm);
+          EXPECT_EQ(state.world_size, world);
+          EXPECT_EQ(state.gradient_predivide_factor, table[world - 1].pre) << "world " << world;
+          EXPECT_EQ(state.gradient_postdivide_factor, table[world - 1].post) << "world " << world;
+        },
+        test_group());
   }
 }
 
@@ -93,12 +96,15 @@ std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, con
 // Trains on `world` ranks with `hook` ("" = stage 02's own all_reduce(AVG)); returns every rank's parameters.
 std::vector<std::vector<at::Tensor>> train_world(int world, const TrainConfig& c, const std::string& hook) {
   std::vector<std::vector<at::Tensor>> finals(world);
-  run_ranks(world, [&](Communicator& comm) {
-    Options options;
-    options.caps = {2048, 8192};  // several buckets
-    if (!hook.empty()) options.reducer = as_bucket_reducer(make_hook(hook, comm));
-    finals[comm.rank()] = train_rank(comm, c, options);
-  }, test_group());
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        Options options;
+        options.caps = {2048, 8192};  // several buckets
+        if (!hook.empty()) options.reducer = as_bucket_reducer(make_hook(hook, comm));
+        finals[comm.rank()] = train_rank(comm, c, options);
+      },
+      test_group());
   return finals;
 }
 
@@ -176,8 +182,8 @@ at::Tensor ulp_of(const at::Tensor& x, c10::ScalarType prec) {
 // What a low-precision hook must produce from every rank's gradient: cast each to `prec`, divide by pre in `prec`,
 // sum as the backend does (fp16: in fp16, one rounding per addition, rank order; bf16 on a backend without bf16:
 // the Communicator sums the bf16 values in f32 and rounds once), divide by post in `prec`, cast back.
-at::Tensor expected_low_precision(const std::vector<at::Tensor>& grads, c10::ScalarType prec, double pre,
-                                  double post, bool native) {
+at::Tensor expected_low_precision(const std::vector<at::Tensor>& grads, c10::ScalarType prec, double pre, double post,
+                                  bool native) {
   at::Tensor sum;
   for (const auto& g : grads) {
     at::Tensor low = g.to(prec);
@@ -233,18 +239,21 @@ TEST_P(LowPrecisionExact, EveryBucketIsTheCastAverage) {
   std::vector<Capture> caps(lc.world);
   bool native = true;
   double pre = 1, post = 1;
-  run_ranks(lc.world, [&](Communicator& comm) {
-    CommHook hook = make_hook(lc.hook, comm);
-    if (comm.rank() == 0) {
-      native = comm.reduces_natively(prec);
-      pre = hook.state->gradient_predivide_factor;
-      post = hook.state->gradient_postdivide_factor;
-    }
-    Options options;
-    options.caps = {2048, 8192};
-    options.reducer = capturing(hook, caps[comm.rank()]);
-    train_rank(comm, c, options);
-  }, test_group());
+  run_ranks(
+      lc.world,
+      [&](Communicator& comm) {
+        CommHook hook = make_hook(lc.hook, comm);
+        if (comm.rank() == 0) {
+          native = comm.reduces_natively(prec);
+          pre = hook.state->gradient_predivide_factor;
+          post = hook.state->gradient_postdivide_factor;
+        }
+        Options options;
+        options.caps = {2048, 8192};
+        options.reducer = capturing(hook, caps[comm.rank()]);
+        train_rank(comm, c, options);
+      },
+      test_group());
   const size_t calls = caps[0].inputs.size();
   ASSERT_GT(calls, 3u);
   double max_diff = 0, max_ulps = 0;
@@ -264,15 +273,15 @@ TEST_P(LowPrecisionExact, EveryBucketIsTheCastAverage) {
       max_diff = std::max(max_diff, err.max().item<double>());
       max_ulps = std::max(max_ulps, (err / ulp_of(expected, prec)).max().item<double>());
       if (lc.world == 2)
-        EXPECT_TRUE(at::equal(got, expected)) << "bucket call " << k << " rank " << r << ": differs by "
-                                              << err.max().item<double>();
+        EXPECT_TRUE(at::equal(got, expected))
+            << "bucket call " << k << " rank " << r << ": differs by " << err.max().item<double>();
       else
         EXPECT_TRUE(err.le(tol).all().item<bool>()) << "bucket call " << k << " rank " << r;
     }
   }
   std::cout << lc.hook << " " << lc.model << " world " << lc.world << " (" << (native ? "native" : "f32 fallback")
-            << "): " << calls << " bucket reductions, max |hook - cast reference| = " << max_diff << " ("
-            << max_ulps << " ulp of " << c10::toString(prec) << ")\n";
+            << "): " << calls << " bucket reductions, max |hook - cast reference| = " << max_diff << " (" << max_ulps
+            << " ulp of " << c10::toString(prec) << ")\n";
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage03, LowPrecisionExact,
@@ -327,38 +336,41 @@ struct StepBytes {
 TEST(HookBytes, Fp16HalvesTheBytesAndBf16DependsOnTheBackend) {
   std::map<std::string, StepBytes> seen;
   bool bf16_native = false;
-  run_ranks(2, [&](Communicator& comm) {
-    auto data = make_dataset("tiny_gpt", 4);
-    for (const std::string name : {"allreduce", "fp16", "bf16"}) {
-      auto model = make_model("tiny_gpt", 4);
-      Options options;
-      options.caps = {2048, 8192};
-      options.reducer = as_bucket_reducer(make_hook(name, comm));
-      BucketedDDP ddp(model, comm, options);
-      at::Tensor loss = ddp.loss(rank_slice(data->global_batch(0, 4), comm.rank(), 2));
-      const size_t mark = comm.recorder().size();
-      loss.backward();
-      StepBytes s;
-      const c10::ScalarType prec = hook_dtype(name);
-      for (const auto& rec : comm.recorder().since(mark)) {
-        EXPECT_EQ(rec.op, "all_reduce") << name;
-        EXPECT_EQ(rec.reduce, "sum") << name << ": hooks sum and divide themselves";
-        EXPECT_EQ(rec.dtype, prec) << name;
-        if (name == "bf16" && !comm.reduces_natively(at::kBFloat16))
-          EXPECT_EQ(rec.wire_dtype, at::kFloat) << "bf16 goes as f32 where the backend cannot reduce it";
-        else
-          EXPECT_EQ(rec.wire_dtype, prec) << name;
-        s.bytes += rec.bytes;
-        s.numel += rec.numel;
-        ++s.collectives;
-      }
-      EXPECT_EQ(s.collectives, ddp.buckets().size()) << name << ": one collective per bucket";
-      if (comm.rank() == 0) {
-        seen[name] = s;
-        bf16_native = comm.reduces_natively(at::kBFloat16);
-      }
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto data = make_dataset("tiny_gpt", 4);
+        for (const std::string name : {"allreduce", "fp16", "bf16"}) {
+          auto model = make_model("tiny_gpt", 4);
+          Options options;
+          options.caps = {2048, 8192};
+          options.reducer = as_bucket_reducer(make_hook(name, comm));
+          BucketedDDP ddp(model, comm, options);
+          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(0, 4), comm.rank(), 2));
+          const size_t mark = comm.recorder().size();
+          loss.backward();
+          StepBytes s;
+          const c10::ScalarType prec = hook_dtype(name);
+          for (const auto& rec : comm.recorder().since(mark)) {
+            EXPECT_EQ(rec.op, "all_reduce") << name;
+            EXPECT_EQ(rec.reduce, "sum") << name << ": hooks sum and divide themselves";
+            EXPECT_EQ(rec.dtype, prec) << name;
+            if (name == "bf16" && !comm.reduces_natively(at::kBFloat16))
+              EXPECT_EQ(rec.wire_dtype, at::kFloat) << "bf16 goes as f32 where the backend cannot reduce it";
+            else
+              EXPECT_EQ(rec.wire_dtype, prec) << name;
+            s.bytes += rec.bytes;
+            s.numel += rec.numel;
+            ++s.collectives;
+          }
+          EXPECT_EQ(s.collectives, ddp.buckets().size()) << name << ": one collective per bucket";
+          if (comm.rank() == 0) {
+            seen[name] = s;
+            bf16_native = comm.reduces_natively(at::kBFloat16);
+          }
+        }
+      },
+      test_group());
   const StepBytes fp32 = seen["allreduce"], fp16 = seen["fp16"], bf16 = seen["bf16"];
   std::cout << "bytes per step (tiny_gpt, " << fp32.numel << " gradient elements in " << fp32.collectives
             << " buckets): fp32 " << fp32.bytes << ", fp16 " << fp16.bytes << ", bf16 " << bf16.bytes << " (bf16 "
@@ -394,25 +406,28 @@ TEST_P(ReduceScatterForm, OutputIsThisRanksChunkOfTheAverage) {
   std::vector<at::Tensor> outputs(sc.world);
   bool native = true;
   double pre = 1, post = 1;
-  run_ranks(sc.world, [&](Communicator& comm) {
-    CommHook hook = make_hook(sc.hook, comm);
-    if (comm.rank() == 0) {
-      pre = hook.state->gradient_predivide_factor;
-      post = hook.state->gradient_postdivide_factor;
-      native = comm.reduces_natively(prec);
-    }
-    at::Tensor grad = grads[comm.rank()].clone();
-    at::Tensor out = at::full({shard}, -1.0f);
-    const size_t mark = comm.recorder().size();
-    Handle h = hook(grad, out);
-    h.wait();
-    const auto recs = comm.recorder().since(mark);
-    ASSERT_EQ(recs.size(), 1u) << "one collective";
-    EXPECT_EQ(recs[0].op, "reduce_scatter");
-    EXPECT_EQ(recs[0].dtype, prec);
-    EXPECT_EQ(recs[0].numel, numel);
-    outputs[comm.rank()] = out;
-  }, test_group());
+  run_ranks(
+      sc.world,
+      [&](Communicator& comm) {
+        CommHook hook = make_hook(sc.hook, comm);
+        if (comm.rank() == 0) {
+          pre = hook.state->gradient_predivide_factor;
+          post = hook.state->gradient_postdivide_factor;
+          native = comm.reduces_natively(prec);
+        }
+        at::Tensor grad = grads[comm.rank()].clone();
+        at::Tensor out = at::full({shard}, -1.0f);
+        const size_t mark = comm.recorder().size();
+        Handle h = hook(grad, out);
+        h.wait();
+        const auto recs = comm.recorder().since(mark);
+        ASSERT_EQ(recs.size(), 1u) << "one collective";
+        EXPECT_EQ(recs[0].op, "reduce_scatter");
+        EXPECT_EQ(recs[0].dtype, prec);
+        EXPECT_EQ(recs[0].numel, numel);
+        outputs[comm.rank()] = out;
+      },
+      test_group());
   at::Tensor expected, tol;
   if (prec == at::kFloat) {
     at::Tensor sum = at::zeros({numel}, at::kDouble);
@@ -438,22 +453,25 @@ TEST_P(ReduceScatterForm, OutputIsThisRanksChunkOfTheAverage) {
 
 INSTANTIATE_TEST_SUITE_P(Stage03, ReduceScatterForm,
                          ::testing::Values(ShardCase{"reduce_scatter", 2}, ShardCase{"reduce_scatter", 3},
-                                           ShardCase{"reduce_scatter", 4}, ShardCase{"fp16", 2},
-                                           ShardCase{"bf16", 2}, ShardCase{"fp16", 4}, ShardCase{"bf16", 3}),
+                                           ShardCase{"reduce_scatter", 4}, ShardCase{"fp16", 2}, ShardCase{"bf16", 2},
+                                           ShardCase{"fp16", 4}, ShardCase{"bf16", 3}),
                          [](const auto& info) { return info.param.hook + "_w" + std::to_string(info.param.world); });
 
 // The all-reduce form of the low-precision hooks outside DDP, on a double gradient: the result is cast back to
 // the gradient's own dtype, whatever it is.
 TEST(LowPrecisionHooks, CastBackIntoTheGradientsDtype) {
-  run_ranks(2, [&](Communicator& comm) {
-    for (const std::string name : {"fp16", "bf16"}) {
-      CommHook hook = make_hook(name, comm);
-      at::Tensor grad = at::full({5}, comm.rank() == 0 ? 1.0 : 3.0, at::kDouble);
-      hook(grad).wait();
-      EXPECT_EQ(grad.scalar_type(), at::kDouble);
-      EXPECT_TRUE(at::equal(grad, at::full({5}, 2.0, at::kDouble))) << name << ": " << grad;
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        for (const std::string name : {"fp16", "bf16"}) {
+          CommHook hook = make_hook(name, comm);
+          at::Tensor grad = at::full({5}, comm.rank() == 0 ? 1.0 : 3.0, at::kDouble);
+          hook(grad).wait();
+          EXPECT_EQ(grad.scalar_type(), at::kDouble);
+          EXPECT_TRUE(at::equal(grad, at::full({5}, 2.0, at::kDouble))) << name << ": " << grad;
+        }
+      },
+      test_group());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -476,42 +494,46 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
 }
 
 TEST(Misuse, ErrorsSayWhatWasExpectedAndWhatCame) {
-  run_ranks(2, [&](Communicator& comm) {
-    const bool print = comm.rank() == 0;
-    auto quiet = [&](const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-      if (print) {
-        expect_error(fn, fragments);
-      } else {
-        const std::string msg = error_of(fn);
-        EXPECT_FALSE(msg.empty());
-      }
-    };
-    DefaultState state(comm);
-    const at::Tensor grad = at::ones({10});
-    const size_t mark = comm.recorder().size();
-    quiet([&] { allreduce_hook(state, grad, at::zeros({5})); }, {"allreduce_hook", "expected no output", "5 elements",
-                                                                "reduce_scatter_hook"});
-    quiet([&] { reduce_scatter_hook(state, grad, at::Tensor()); }, {"reduce_scatter_hook", "expected an output",
-                                                                    "10 / 2", "got no output"});
-    quiet([&] { reduce_scatter_hook(state, grad, at::zeros({4})); },
-          {"expected an output of grad.numel() / world_size = 10 / 2 = 5 elements", "got output Float tensor of 4"});
-    quiet([&] { fp16_compress_hook(state, at::ones({9}), at::zeros({4})); },
-          {"fp16_compress_hook", "2 * 4 = 8", "9 elements", "not a multiple"});
-    quiet([&] { reduce_scatter_hook(state, grad, at::zeros({5}, at::kDouble)); }, {"grad's dtype", "Double"});
-    quiet([&] { bf16_compress_hook(state, at::ones({4}, at::kLong), at::Tensor()); }, {"floating-point", "Long"});
-    quiet([&] { allreduce_hook(state, at::ones({4, 4}).t(), at::Tensor()); }, {"contiguous"});
-    quiet([&] { allreduce_hook(state, at::Tensor(), at::Tensor()); }, {"undefined"});
-    quiet([&] { make_hook("fp8", comm); }, {"'fp8'", "allreduce, reduce_scatter, fp16, bf16"});
-    quiet([&] { as_bucket_reducer(make_hook("reduce_scatter", comm)); }, {"reduce_scatter", "use allreduce"});
-    quiet([&] { CommHook{"broken", nullptr, &allreduce_hook}(grad); }, {"broken", "no state"});
-    EXPECT_EQ(comm.recorder().size(), mark) << "a rejected call submits nothing";
-    // ...and the hooks still work afterwards: each rank contributes rank + 1, the average is 1.5.
-    for (const std::string name : {"allreduce", "fp16", "bf16"}) {
-      at::Tensor g = at::full({6}, comm.rank() + 1.0f);
-      make_hook(name, comm)(g).wait();
-      EXPECT_TRUE(at::equal(g, at::full({6}, 1.5f))) << name << ": " << g;
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        const bool print = comm.rank() == 0;
+        auto quiet = [&](const std::function<void()>& fn, const std::vector<std::string>& fragments) {
+          if (print) {
+            expect_error(fn, fragments);
+          } else {
+            const std::string msg = error_of(fn);
+            EXPECT_FALSE(msg.empty());
+          }
+        };
+        DefaultState state(comm);
+        const at::Tensor grad = at::ones({10});
+        const size_t mark = comm.recorder().size();
+        quiet([&] { allreduce_hook(state, grad, at::zeros({5})); },
+              {"allreduce_hook", "expected no output", "5 elements", "reduce_scatter_hook"});
+        quiet([&] { reduce_scatter_hook(state, grad, at::Tensor()); },
+              {"reduce_scatter_hook", "expected an output", "10 / 2", "got no output"});
+        quiet(
+            [&] { reduce_scatter_hook(state, grad, at::zeros({4})); },
+            {"expected an output of grad.numel() / world_size = 10 / 2 = 5 elements", "got output Float tensor of 4"});
+        quiet([&] { fp16_compress_hook(state, at::ones({9}), at::zeros({4})); },
+              {"fp16_compress_hook", "2 * 4 = 8", "9 elements", "not a multiple"});
+        quiet([&] { reduce_scatter_hook(state, grad, at::zeros({5}, at::kDouble)); }, {"grad's dtype", "Double"});
+        quiet([&] { bf16_compress_hook(state, at::ones({4}, at::kLong), at::Tensor()); }, {"floating-point", "Long"});
+        quiet([&] { allreduce_hook(state, at::ones({4, 4}).t(), at::Tensor()); }, {"contiguous"});
+        quiet([&] { allreduce_hook(state, at::Tensor(), at::Tensor()); }, {"undefined"});
+        quiet([&] { make_hook("fp8", comm); }, {"'fp8'", "allreduce, reduce_scatter, fp16, bf16"});
+        quiet([&] { as_bucket_reducer(make_hook("reduce_scatter", comm)); }, {"reduce_scatter", "use allreduce"});
+        quiet([&] { CommHook{"broken", nullptr, &allreduce_hook}(grad); }, {"broken", "no state"});
+        EXPECT_EQ(comm.recorder().size(), mark) << "a rejected call submits nothing";
+        // ...and the hooks still work afterwards: each rank contributes rank + 1, the average is 1.5.
+        for (const std::string name : {"allreduce", "fp16", "bf16"}) {
+          at::Tensor g = at::full({6}, comm.rank() + 1.0f);
+          make_hook(name, comm)(g).wait();
+          EXPECT_TRUE(at::equal(g, at::full({6}, 1.5f))) << name << ": " << g;
+        }
+      },
+      test_group());
 }
 
 }  // namespace

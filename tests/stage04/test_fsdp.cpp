@@ -64,12 +64,15 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
   options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(e.world);
-  run_ranks(e.world, [&](Communicator& comm) {
-    auto model = make_model(c, device_of(c));
-    FullyShardedModel fsdp(model, comm, options);
-    test_support::train_steps(comm, c, fsdp.parameters(), device_of(c), fsdp);
-    finals[comm.rank()] = on_cpu(fsdp.full_parameters());
-  }, test_group());
+  run_ranks(
+      e.world,
+      [&](Communicator& comm) {
+        auto model = make_model(c, device_of(c));
+        FullyShardedModel fsdp(model, comm, options);
+        test_support::train_steps(comm, c, fsdp.parameters(), device_of(c), fsdp);
+        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
+      },
+      test_group());
   for (int r = 0; r < e.world; ++r) {
     const double diff = max_abs_diff(finals[r], ref.params);
     std::cout << e << " rank " << r << ": max |param - reference| = " << diff << "\n";
@@ -79,9 +82,9 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
 
 std::vector<Case> cases() {
   // tiny GPT with SGD: see Note [AdamW and near-zero gradients] in tests/stage01.
-  return {{"tiny_gpt", "sgd", 2, 1, true},  {"tiny_gpt", "sgd", 3, 2, false}, {"tiny_gpt", "sgd", 4, 1, true},
-          {"mlp", "sgd", 1, 1, true},       {"mlp", "adamw", 2, 1, true},      {"mlp", "adamw", 3, 3, true},
-          {"mlp", "sgd", 4, 2, false},      {"edge", "sgd", 2, 1, true},       {"edge", "adamw", 3, 2, false},
+  return {{"tiny_gpt", "sgd", 2, 1, true}, {"tiny_gpt", "sgd", 3, 2, false}, {"tiny_gpt", "sgd", 4, 1, true},
+          {"mlp", "sgd", 1, 1, true},      {"mlp", "adamw", 2, 1, true},     {"mlp", "adamw", 3, 3, true},
+          {"mlp", "sgd", 4, 2, false},     {"edge", "sgd", 2, 1, true},      {"edge", "adamw", 3, 2, false},
           {"edge", "sgd", 4, 1, true}};
 }
 
@@ -99,9 +102,12 @@ struct Phase {
 Phase split(const std::vector<CollectiveRecord>& records) {
   Phase p;
   for (const auto& r : records) {
-    if (r.op == "all_gather") p.all_gathers.push_back(r);
-    else if (r.op == "reduce_scatter") p.reduce_scatters.push_back(r);
-    else p.other.push_back(r);
+    if (r.op == "all_gather")
+      p.all_gathers.push_back(r);
+    else if (r.op == "reduce_scatter")
+      p.reduce_scatters.push_back(r);
+    else
+      p.other.push_back(r);
   }
   return p;
 }
@@ -114,65 +120,70 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
   c.model = "tiny_gpt";
   c.global_batch = 4;
   const int world = 2, blocks = static_cast<int>(c.layers);
-  run_ranks(world, [&](Communicator& comm) {
-    auto model = make_model(c, at::kCPU);
-    Options options;
-    options.reshard_after_forward = raf;
-    FullyShardedModel fsdp(model, comm, options);
-    ASSERT_EQ(fsdp.units().size(), static_cast<size_t>(blocks + 1)) << "one unit per block, then the root";
-    ASSERT_NE(fsdp.root(), nullptr);
-    auto data = make_dataset(c.model, c.seed);
-    for (int step = 0; step < 2; ++step) {
-      Batch b = rank_slice(data->global_batch(step, c.global_batch), comm.rank(), world);
-      const size_t start = comm.recorder().size();
-      at::Tensor loss = fsdp.loss(b);
-      const size_t after_forward = comm.recorder().size();
-      // Between uses: units freed (raf) or kept (no raf); the root stays gathered for its backward.
-      for (size_t u = 0; u + 1 < fsdp.units().size(); ++u)
-        EXPECT_EQ(fsdp.units()[u]->gathered_bytes(), raf ? 0 : fsdp.units()[u]->gathered_capacity_bytes())
-            << fsdp.units()[u]->name() << " after forward";
-      EXPECT_EQ(fsdp.root()->gathered_bytes(), fsdp.root()->gathered_capacity_bytes()) << "root after forward";
-      loss.backward();
-      Phase forward, backward;
-      {
-        const auto all = comm.recorder().since(start);
-        forward = split({all.begin(), all.begin() + static_cast<long>(after_forward - start)});
-        backward = split({all.begin() + static_cast<long>(after_forward - start), all.end()});
-      }
-      std::cout << (raf ? "raf" : "keep") << " step " << step << ": forward " << forward.all_gathers.size()
-                << " all-gathers, backward " << backward.all_gathers.size() << " all-gathers and "
-                << backward.reduce_scatters.size() << " reduce-scatters\n";
-      EXPECT_EQ(forward.all_gathers.size(), static_cast<size_t>(blocks + 1)) << "B+1 all-gathers in forward";
-      EXPECT_TRUE(forward.reduce_scatters.empty() && forward.other.empty()) << "nothing else in forward";
-      EXPECT_EQ(backward.all_gathers.size(), raf ? static_cast<size_t>(blocks) : 0u)
-          << "backward gathers every block again (raf) or none (kept); the root is kept";
-      EXPECT_EQ(backward.reduce_scatters.size(), static_cast<size_t>(blocks + 1)) << "B+1 reduce-scatters";
-      EXPECT_TRUE(backward.other.empty()) << "no other collective";
-      // Sizes: the forward gathers the root first, then block 0, 1, ...; each of the unit's padded shard numel.
-      for (size_t i = 0; i < forward.all_gathers.size(); ++i) {
-        const FsdpUnit& unit = i == 0 ? *fsdp.root() : *fsdp.units()[i - 1];
-        EXPECT_EQ(forward.all_gathers[i].numel * static_cast<int64_t>(sizeof(float)), unit.sharded_bytes())
-            << "all-gather " << i << " (" << unit.name() << ")";
-      }
-      // Reduce-scatters in reverse forward order: block B-1 first, the root last; S rows of padded numel.
-      for (size_t i = 0; i < backward.reduce_scatters.size(); ++i) {
-        const FsdpUnit& unit = i + 1 == backward.reduce_scatters.size() ? *fsdp.root() : *fsdp.units()[blocks - 1 - i];
-        EXPECT_EQ(backward.reduce_scatters[i].numel * static_cast<int64_t>(sizeof(float)), world * unit.sharded_bytes())
-            << "reduce-scatter " << i << " (" << unit.name() << ")";
-      }
-      // After backward: every unit sharded, no unsharded parameter or gradient storage left.
-      for (const auto& unit : fsdp.units()) {
-        EXPECT_EQ(unit->state(), UnitState::kSharded) << unit->name() << " is " << to_string(unit->state());
-        EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
-        for (const auto& fp : unit->params()) {
-          EXPECT_EQ(storage_bytes(fp.param), 0) << fp.name;
-          EXPECT_FALSE(fp.param.grad().defined()) << fp.name << " keeps an unsharded gradient";
-          EXPECT_TRUE(fp.sharded.grad().defined()) << fp.name;
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        Options options;
+        options.reshard_after_forward = raf;
+        FullyShardedModel fsdp(model, comm, options);
+        ASSERT_EQ(fsdp.units().size(), static_cast<size_t>(blocks + 1)) << "one unit per block, then the root";
+        ASSERT_NE(fsdp.root(), nullptr);
+        auto data = make_dataset(c.model, c.seed);
+        for (int step = 0; step < 2; ++step) {
+          Batch b = rank_slice(data->global_batch(step, c.global_batch), comm.rank(), world);
+          const size_t start = comm.recorder().size();
+          at::Tensor loss = fsdp.loss(b);
+          const size_t after_forward = comm.recorder().size();
+          // Between uses: units freed (raf) or kept (no raf); the root stays gathered for its backward.
+          for (size_t u = 0; u + 1 < fsdp.units().size(); ++u)
+            EXPECT_EQ(fsdp.units()[u]->gathered_bytes(), raf ? 0 : fsdp.units()[u]->gathered_capacity_bytes())
+                << fsdp.units()[u]->name() << " after forward";
+          EXPECT_EQ(fsdp.root()->gathered_bytes(), fsdp.root()->gathered_capacity_bytes()) << "root after forward";
+          loss.backward();
+          Phase forward, backward;
+          {
+            const auto all = comm.recorder().since(start);
+            forward = split({all.begin(), all.begin() + static_cast<long>(after_forward - start)});
+            backward = split({all.begin() + static_cast<long>(after_forward - start), all.end()});
+          }
+          std::cout << (raf ? "raf" : "keep") << " step " << step << ": forward " << forward.all_gathers.size()
+                    << " all-gathers, backward " << backward.all_gathers.size() << " all-gathers and "
+                    << backward.reduce_scatters.size() << " reduce-scatters\n";
+          EXPECT_EQ(forward.all_gathers.size(), static_cast<size_t>(blocks + 1)) << "B+1 all-gathers in forward";
+          EXPECT_TRUE(forward.reduce_scatters.empty() && forward.other.empty()) << "nothing else in forward";
+          EXPECT_EQ(backward.all_gathers.size(), raf ? static_cast<size_t>(blocks) : 0u)
+              << "backward gathers every block again (raf) or none (kept); the root is kept";
+          EXPECT_EQ(backward.reduce_scatters.size(), static_cast<size_t>(blocks + 1)) << "B+1 reduce-scatters";
+          EXPECT_TRUE(backward.other.empty()) << "no other collective";
+          // Sizes: the forward gathers the root first, then block 0, 1, ...; each of the unit's padded shard numel.
+          for (size_t i = 0; i < forward.all_gathers.size(); ++i) {
+            const FsdpUnit& unit = i == 0 ? *fsdp.root() : *fsdp.units()[i - 1];
+            EXPECT_EQ(forward.all_gathers[i].numel * static_cast<int64_t>(sizeof(float)), unit.sharded_bytes())
+                << "all-gather " << i << " (" << unit.name() << ")";
+          }
+          // Reduce-scatters in reverse forward order: block B-1 first, the root last; S rows of padded numel.
+          for (size_t i = 0; i < backward.reduce_scatters.size(); ++i) {
+            const FsdpUnit& unit =
+                i + 1 == backward.reduce_scatters.size() ? *fsdp.root() : *fsdp.units()[blocks - 1 - i];
+            EXPECT_EQ(backward.reduce_scatters[i].numel * static_cast<int64_t>(sizeof(float)),
+                      world * unit.sharded_bytes())
+                << "reduce-scatter " << i << " (" << unit.name() << ")";
+          }
+          // After backward: every unit sharded, no unsharded parameter or gradient storage left.
+          for (const auto& unit : fsdp.units()) {
+            EXPECT_EQ(unit->state(), UnitState::kSharded) << unit->name() << " is " << to_string(unit->state());
+            EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
+            for (const auto& fp : unit->params()) {
+              EXPECT_EQ(storage_bytes(fp.param), 0) << fp.name;
+              EXPECT_FALSE(fp.param.grad().defined()) << fp.name << " keeps an unsharded gradient";
+              EXPECT_TRUE(fp.sharded.grad().defined()) << fp.name;
+            }
+          }
+          for (const auto& p : fsdp.parameters()) p.mutable_grad().zero_();
         }
-      }
-      for (const auto& p : fsdp.parameters()) p.mutable_grad().zero_();
-    }
-  }, test_group());
+      },
+      test_group());
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage04, Structure, ::testing::Values(true, false),
@@ -182,47 +193,50 @@ TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
   TrainConfig c;
   c.model = "tiny_gpt";
   c.global_batch = 4;
-  run_ranks(2, [&](Communicator& comm) {
-    for (bool raf : {true, false}) {
-      auto model = make_model(c, at::kCPU);
-      Options options;
-      options.reshard_after_forward = raf;
-      FullyShardedModel fsdp(model, comm, options);
-      auto data = make_dataset(c.model, c.seed);
-      fsdp.reset_memory_peaks();
-      fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();
-      const MemoryTheory t = fsdp.memory_theory();
-      // The copy-out needs the all-gather buffer (S blocks of the unit's shards) beside the gathered buffer, for
-      // the unit being gathered. raf: the largest such moment is the root plus one block; kept: every block.
-      int64_t largest_gather = 0, every_block = 0;
-      for (size_t u = 0; u + 1 < fsdp.units().size(); ++u) {
-        const FsdpUnit& unit = *fsdp.units()[u];
-        largest_gather = std::max(largest_gather, unit.gathered_capacity_bytes() + 2 * unit.sharded_bytes());
-        every_block += unit.gathered_capacity_bytes();
-      }
-      const FsdpUnit& last = *fsdp.units()[fsdp.units().size() - 2];  // the last block gathered in forward
-      const int64_t expected = t.sharded_param_bytes + t.root_bytes +
-                               (raf ? largest_gather : every_block + 2 * last.sharded_bytes());
-      const MemoryStats& m = fsdp.memory();
-      if (comm.rank() == 0)
-        std::cout << (raf ? "raf" : "keep") << ": peak parameter bytes measured " << m.peak_param_bytes
-                  << ", theory " << t.peak_param_bytes << " (" << double(m.peak_param_bytes) / t.peak_param_bytes
-                  << "x), accounting " << expected << "; gradient bytes measured " << m.peak_grad_bytes
-                  << ", theory " << t.peak_grad_bytes << "\n";
-      EXPECT_EQ(m.peak_param_bytes, expected);
-      // Gradients: one reduce-scatter in flight while the next unit's buffers are made (two units' buffers).
-      EXPECT_LE(m.peak_grad_bytes, t.peak_grad_bytes + 2 * t.largest_reduce_bytes);
-      EXPECT_GE(m.peak_grad_bytes, t.peak_grad_bytes);
-      EXPECT_GE(m.peak_param_bytes, t.peak_param_bytes);
-      EXPECT_EQ(m.param_bytes, t.sharded_param_bytes) << "after the step only the shards are held";
-      EXPECT_EQ(m.grad_bytes, t.sharded_grad_bytes) << "after the step only the sharded gradients are held";
-      // An optimizer that drops the gradients (libtorch 2.x zero_grad sets them to None): new ones replace them
-      // in the count, nothing is counted twice.
-      for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
-      fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
-      EXPECT_EQ(fsdp.memory().grad_bytes, t.sharded_grad_bytes) << "after a step whose gradients were dropped";
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        for (bool raf : {true, false}) {
+          auto model = make_model(c, at::kCPU);
+          Options options;
+          options.reshard_after_forward = raf;
+          FullyShardedModel fsdp(model, comm, options);
+          auto data = make_dataset(c.model, c.seed);
+          fsdp.reset_memory_peaks();
+          fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();
+          const MemoryTheory t = fsdp.memory_theory();
+          // The copy-out needs the all-gather buffer (S blocks of the unit's shards) beside the gathered buffer, for
+          // the unit being gathered. raf: the largest such moment is the root plus one block; kept: every block.
+          int64_t largest_gather = 0, every_block = 0;
+          for (size_t u = 0; u + 1 < fsdp.units().size(); ++u) {
+            const FsdpUnit& unit = *fsdp.units()[u];
+            largest_gather = std::max(largest_gather, unit.gathered_capacity_bytes() + 2 * unit.sharded_bytes());
+            every_block += unit.gathered_capacity_bytes();
+          }
+          const FsdpUnit& last = *fsdp.units()[fsdp.units().size() - 2];  // the last block gathered in forward
+          const int64_t expected =
+              t.sharded_param_bytes + t.root_bytes + (raf ? largest_gather : every_block + 2 * last.sharded_bytes());
+          const MemoryStats& m = fsdp.memory();
+          if (comm.rank() == 0)
+            std::cout << (raf ? "raf" : "keep") << ": peak parameter bytes measured " << m.peak_param_bytes
+                      << ", theory " << t.peak_param_bytes << " (" << double(m.peak_param_bytes) / t.peak_param_bytes
+                      << "x), accounting " << expected << "; gradient bytes measured " << m.peak_grad_bytes
+                      << ", theory " << t.peak_grad_bytes << "\n";
+          EXPECT_EQ(m.peak_param_bytes, expected);
+          // Gradients: one reduce-scatter in flight while the next unit's buffers are made (two units' buffers).
+          EXPECT_LE(m.peak_grad_bytes, t.peak_grad_bytes + 2 * t.largest_reduce_bytes);
+          EXPECT_GE(m.peak_grad_bytes, t.peak_grad_bytes);
+          EXPECT_GE(m.peak_param_bytes, t.peak_param_bytes);
+          EXPECT_EQ(m.param_bytes, t.sharded_param_bytes) << "after the step only the shards are held";
+          EXPECT_EQ(m.grad_bytes, t.sharded_grad_bytes) << "after the step only the sharded gradients are held";
+          // An optimizer that drops the gradients (libtorch 2.x zero_grad sets them to None): new ones replace them
+          // in the count, nothing is counted twice.
+          for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
+          fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
+          EXPECT_EQ(fsdp.memory().grad_bytes, t.sharded_grad_bytes) << "after a step whose gradients were dropped";
+        }
+      },
+      test_group());
 }
 
 TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
@@ -237,56 +251,64 @@ TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
   reference->loss(batch).backward();
   std::vector<at::Tensor> expected;
   for (const auto& p : reference->parameters()) expected.push_back(p.grad() * 1.5);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(c, at::kCPU);
-    FullyShardedModel fsdp(model, comm);
-    (fsdp.loss(batch) * static_cast<double>(comm.rank() + 1)).backward();
-    double diff = 0;
-    size_t i = 0;
-    for (const auto& unit : fsdp.units()) {
-      for (const auto& fp : unit->params()) {
-        const at::Tensor want = expected[i++].narrow(0, fp.spec.first_row_of(comm.rank()), fp.spec.rows_of(comm.rank()));
-        if (want.numel() == 0) continue;
-        const double d = (fp.sharded.grad() - want).abs().max().item<double>();
-        diff = std::max(diff, d);
-        // Exact: rank 1's gradient is 2g (scaling by 2 is exact throughout backward), g + 2g is one rounding, and
-        // halving it is exact, as is 1.5 x g (the same rounding of 3g, halved).
-        EXPECT_TRUE(at::equal(fp.sharded.grad(), want)) << fp.name << " rank " << comm.rank() << " differs by " << d;
-      }
-    }
-    if (comm.rank() == 0) std::cout << "max |sharded grad - 1.5 x single-rank grad| = " << diff << "\n";
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        FullyShardedModel fsdp(model, comm);
+        (fsdp.loss(batch) * static_cast<double>(comm.rank() + 1)).backward();
+        double diff = 0;
+        size_t i = 0;
+        for (const auto& unit : fsdp.units()) {
+          for (const auto& fp : unit->params()) {
+            const at::Tensor want =
+                expected[i++].narrow(0, fp.spec.first_row_of(comm.rank()), fp.spec.rows_of(comm.rank()));
+            if (want.numel() == 0) continue;
+            const double d = (fp.sharded.grad() - want).abs().max().item<double>();
+            diff = std::max(diff, d);
+            // Exact: rank 1's gradient is 2g (scaling by 2 is exact throughout backward), g + 2g is one rounding, and
+            // halving it is exact, as is 1.5 x g (the same rounding of 3g, halved).
+            EXPECT_TRUE(at::equal(fp.sharded.grad(), want))
+                << fp.name << " rank " << comm.rank() << " differs by " << d;
+          }
+        }
+        if (comm.rank() == 0) std::cout << "max |sharded grad - 1.5 x single-rank grad| = " << diff << "\n";
+      },
+      test_group());
 }
 
 TEST(FullyShardedModel, NoSyncAccumulatesAndReduceScattersOnlyOnTheLastMicroBatch) {
   TrainConfig c;
   c.model = "tiny_gpt";
   c.global_batch = 12;
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(c, at::kCPU);
-    FullyShardedModel fsdp(model, comm);
-    auto data = make_dataset(c.model, c.seed);
-    auto micro = micro_batches(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2), 3);
-    const size_t start = comm.recorder().size();
-    for (int i = 0; i < 2; ++i) {
-      auto scope = fsdp.no_sync();
-      EXPECT_FALSE(fsdp.sync_enabled());
-      fsdp.loss(micro[i]).backward();
-    }
-    const Phase accumulating = split(comm.recorder().since(start));
-    EXPECT_TRUE(accumulating.reduce_scatters.empty()) << "no reduce-scatter inside no_sync";
-    for (const auto& unit : fsdp.units())
-      for (const auto& fp : unit->params()) {
-        EXPECT_TRUE(fp.param.grad().defined()) << fp.name << ": the unsharded gradient accumulates";
-        EXPECT_FALSE(fp.sharded.grad().defined()) << fp.name;
-      }
-    const size_t last = comm.recorder().size();
-    fsdp.loss(micro[2]).backward();
-    const Phase synced = split(comm.recorder().since(last));
-    EXPECT_EQ(synced.reduce_scatters.size(), fsdp.units().size()) << "one reduce-scatter per unit, once";
-    for (const auto& unit : fsdp.units())
-      for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        FullyShardedModel fsdp(model, comm);
+        auto data = make_dataset(c.model, c.seed);
+        auto micro = micro_batches(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2), 3);
+        const size_t start = comm.recorder().size();
+        for (int i = 0; i < 2; ++i) {
+          auto scope = fsdp.no_sync();
+          EXPECT_FALSE(fsdp.sync_enabled());
+          fsdp.loss(micro[i]).backward();
+        }
+        const Phase accumulating = split(comm.recorder().since(start));
+        EXPECT_TRUE(accumulating.reduce_scatters.empty()) << "no reduce-scatter inside no_sync";
+        for (const auto& unit : fsdp.units())
+          for (const auto& fp : unit->params()) {
+            EXPECT_TRUE(fp.param.grad().defined()) << fp.name << ": the unsharded gradient accumulates";
+            EXPECT_FALSE(fp.sharded.grad().defined()) << fp.name;
+          }
+        const size_t last = comm.recorder().size();
+        fsdp.loss(micro[2]).backward();
+        const Phase synced = split(comm.recorder().since(last));
+        EXPECT_EQ(synced.reduce_scatters.size(), fsdp.units().size()) << "one reduce-scatter per unit, once";
+        for (const auto& unit : fsdp.units())
+          for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
+      },
+      test_group());
 }
 
 TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards) {
@@ -297,30 +319,33 @@ TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards
   c.micro_batches = 2;
   const ReferenceResult ref = train_reference(c);
   std::vector<at::Tensor> finals;
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(c, at::kCPU);
-    Options options;
-    options.mixed_precision.param_dtype = at::kBFloat16;
-    options.mixed_precision.reduce_dtype = at::kFloat;
-    FullyShardedModel fsdp(model, comm, options);
-    for (const auto& unit : fsdp.units()) {
-      EXPECT_EQ(unit->dtypes().param, at::kBFloat16);
-      EXPECT_EQ(unit->dtypes().reduce, at::kFloat);
-      for (const auto& fp : unit->params()) {
-        EXPECT_EQ(fp.param.scalar_type(), at::kBFloat16) << fp.name << ": computes in the param dtype";
-        EXPECT_EQ(fp.sharded.scalar_type(), at::kFloat) << fp.name << ": the shard stays in the original dtype";
-      }
-    }
-    const size_t start = comm.recorder().size();
-    test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
-    for (const auto& r : comm.recorder().since(start)) {
-      if (r.op == "all_gather") EXPECT_EQ(r.dtype, at::kBFloat16) << "all-gather in the param dtype";
-      if (r.op == "reduce_scatter") EXPECT_EQ(r.dtype, at::kFloat) << "reduce-scatter in the reduce dtype";
-    }
-    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
-    auto full = on_cpu(fsdp.full_parameters());
-    if (comm.rank() == 0) finals = full;
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        Options options;
+        options.mixed_precision.param_dtype = at::kBFloat16;
+        options.mixed_precision.reduce_dtype = at::kFloat;
+        FullyShardedModel fsdp(model, comm, options);
+        for (const auto& unit : fsdp.units()) {
+          EXPECT_EQ(unit->dtypes().param, at::kBFloat16);
+          EXPECT_EQ(unit->dtypes().reduce, at::kFloat);
+          for (const auto& fp : unit->params()) {
+            EXPECT_EQ(fp.param.scalar_type(), at::kBFloat16) << fp.name << ": computes in the param dtype";
+            EXPECT_EQ(fp.sharded.scalar_type(), at::kFloat) << fp.name << ": the shard stays in the original dtype";
+          }
+        }
+        const size_t start = comm.recorder().size();
+        test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
+        for (const auto& r : comm.recorder().since(start)) {
+          if (r.op == "all_gather") EXPECT_EQ(r.dtype, at::kBFloat16) << "all-gather in the param dtype";
+          if (r.op == "reduce_scatter") EXPECT_EQ(r.dtype, at::kFloat) << "reduce-scatter in the reduce dtype";
+        }
+        for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
+        auto full = on_cpu(fsdp.full_parameters());
+        if (comm.rank() == 0) finals = full;
+      },
+      test_group());
   const double diff = max_abs_diff(finals, ref.params);
   std::cout << "bf16 compute, f32 reduce vs the f32 reference: max |param diff| = " << diff << "\n";
   EXPECT_LT(diff, 2e-2) << "bf16 keeps 8 bits of mantissa: about 1e-2 after 3 steps";
@@ -358,8 +383,10 @@ TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) 
         auto m = master->parameters(), w = compute->parameters();
         for (size_t i = 0; i < m.size(); ++i) {
           at::Tensor& g = m[i].mutable_grad();
-          if (g.defined()) g.add_(w[i].grad().to(at::kFloat));
-          else g = w[i].grad().to(at::kFloat);
+          if (g.defined())
+            g.add_(w[i].grad().to(at::kFloat));
+          else
+            g = w[i].grad().to(at::kFloat);
         }
       }
       opt->step();
@@ -367,21 +394,26 @@ TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) 
     const std::vector<at::Tensor> reference = on_cpu(master->parameters());
     for (int world : {1, 2}) {
       std::vector<at::Tensor> finals;
-      run_ranks(world, [&](Communicator& comm) {
-        auto model = make_model(c, at::kCPU);
-        Options options;
-        options.mixed_precision.param_dtype = at::kBFloat16;
-        options.mixed_precision.reduce_dtype = at::kFloat;
-        FullyShardedModel fsdp(model, comm, options);
-        test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
-        auto full = on_cpu(fsdp.full_parameters());
-        if (comm.rank() == 0) finals = full;
-      }, test_group());
+      run_ranks(
+          world,
+          [&](Communicator& comm) {
+            auto model = make_model(c, at::kCPU);
+            Options options;
+            options.mixed_precision.param_dtype = at::kBFloat16;
+            options.mixed_precision.reduce_dtype = at::kFloat;
+            FullyShardedModel fsdp(model, comm, options);
+            test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
+            auto full = on_cpu(fsdp.full_parameters());
+            if (comm.rank() == 0) finals = full;
+          },
+          test_group());
       const double diff = max_abs_diff(finals, reference);
       std::cout << "bf16/f32, " << micro << " micro-batch(es), " << world
                 << " rank(s) vs the same casts on one device: max |param diff| = " << diff << "\n";
-      if (world == 1) EXPECT_EQ(diff, 0.0) << "one rank does exactly the reference's operations";
-      else EXPECT_LT(diff, 2e-3) << "bf16 rounding of half-batch backward passes only";
+      if (world == 1)
+        EXPECT_EQ(diff, 0.0) << "one rank does exactly the reference's operations";
+      else
+        EXPECT_LT(diff, 2e-3) << "bf16 rounding of half-batch backward passes only";
     }
   }
 }
@@ -391,19 +423,22 @@ TEST(FullyShardedModel, AnUnusedParameterIsAnErrorNamingItAndNoRankHangs) {
   c.model = "edge";
   c.global_batch = 4;
   std::vector<std::string> errors(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(c, at::kCPU);
-    FullyShardedModel fsdp(model, comm);
-    auto data = make_dataset(c.model, c.seed);
-    fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();  // even: all used
-    try {
-      fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();  // odd: unused
-    } catch (const std::runtime_error& e) {
-      errors[comm.rank()] = e.what();
-    }
-    // The wrapper is still usable: the next (even) step trains.
-    fsdp.loss(rank_slice(data->global_batch(2, c.global_batch), comm.rank(), 2)).backward();
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        FullyShardedModel fsdp(model, comm);
+        auto data = make_dataset(c.model, c.seed);
+        fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();  // even: all used
+        try {
+          fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();  // odd: unused
+        } catch (const std::runtime_error& e) {
+          errors[comm.rank()] = e.what();
+        }
+        // The wrapper is still usable: the next (even) step trains.
+        fsdp.loss(rank_slice(data->global_batch(2, c.global_batch), comm.rank(), 2)).backward();
+      },
+      test_group());
   for (const auto& e : errors) EXPECT_NE(e.find("'sometimes'"), std::string::npos) << "got: " << e;
 }
 
@@ -414,32 +449,35 @@ TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
   c.model = "tiny_gpt";
   c.global_batch = 4;
   std::vector<std::vector<at::Tensor>> clean(2), after_abort(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto data = make_dataset(c.model, c.seed);
-    for (bool abort : {false, true}) {
-      auto model = make_model(c, at::kCPU);
-      FullyShardedModel fsdp(model, comm);
-      if (abort) {
-        UnitForward fsdp_slot = model->units()[0].forward;
-        model->units()[0].forward = [fsdp_slot](const at::Tensor& x) {
-          at::Tensor y = fsdp_slot(x);
-          y.register_hook([](const at::Tensor&) { throw std::runtime_error("injected failure in backward"); });
-          return y;
-        };
-        EXPECT_THROW(fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward(),
-                     std::exception);
-        model->units()[0].forward = fsdp_slot;
-        for (const auto& p : fsdp.parameters())
-          if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
-      }
-      fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
-      std::vector<at::Tensor> grads;
-      for (const auto& p : fsdp.parameters()) grads.push_back(p.grad().clone());
-      (abort ? after_abort : clean)[comm.rank()] = grads;
-      for (const auto& unit : fsdp.units())
-        for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
-    }
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto data = make_dataset(c.model, c.seed);
+        for (bool abort : {false, true}) {
+          auto model = make_model(c, at::kCPU);
+          FullyShardedModel fsdp(model, comm);
+          if (abort) {
+            UnitForward fsdp_slot = model->units()[0].forward;
+            model->units()[0].forward = [fsdp_slot](const at::Tensor& x) {
+              at::Tensor y = fsdp_slot(x);
+              y.register_hook([](const at::Tensor&) { throw std::runtime_error("injected failure in backward"); });
+              return y;
+            };
+            EXPECT_THROW(fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward(),
+                         std::exception);
+            model->units()[0].forward = fsdp_slot;
+            for (const auto& p : fsdp.parameters())
+              if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
+          }
+          fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
+          std::vector<at::Tensor> grads;
+          for (const auto& p : fsdp.parameters()) grads.push_back(p.grad().clone());
+          (abort ? after_abort : clean)[comm.rank()] = grads;
+          for (const auto& unit : fsdp.units())
+            for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
+        }
+      },
+      test_group());
   for (int r = 0; r < 2; ++r) {
     const double diff = max_abs_diff(after_abort[r], clean[r]);
     std::cout << "rank " << r << ": max |grad after an aborted backward - clean grad| = " << diff << "\n";
@@ -459,8 +497,10 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFi
     explicit Tied(bool in_unit) {
       emb = register_module("emb", torch::nn::Linear(4, 4));
       auto shared = std::make_shared<UsesShared>(emb->weight);
-      if (in_unit) block = register_unit("block", shared);
-      else plain = register_module("block", shared);
+      if (in_unit)
+        block = register_unit("block", shared);
+      else
+        plain = register_module("block", shared);
       init_parameters(*this, 1);
     }
     at::Tensor loss(const Batch& b) override {
@@ -471,24 +511,27 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFi
     UnitRef<UsesShared> block;
     std::shared_ptr<UsesShared> plain;
   };
-  run_ranks(1, [&](Communicator& comm) {
-    auto model = std::make_shared<Tied>(/*in_unit=*/true);
-    const at::Tensor before = model->emb->weight.detach().clone();
-    try {
-      FullyShardedModel fsdp(model, comm);
-      ADD_FAILURE() << "a parameter in a unit and in the root was accepted";
-    } catch (const std::invalid_argument& e) {
-      std::cout << "error: " << e.what() << "\n";
-      EXPECT_NE(std::string(e.what()).find("emb.weight"), std::string::npos) << e.what();
-    }
-    for (const auto& p : model->parameters()) EXPECT_GT(storage_bytes(p), 0) << "the model must be left as it was";
-    EXPECT_TRUE(at::equal(model->emb->weight, before));
-  }, test_group());
+  run_ranks(
+      1,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<Tied>(/*in_unit=*/true);
+        const at::Tensor before = model->emb->weight.detach().clone();
+        try {
+          FullyShardedModel fsdp(model, comm);
+          ADD_FAILURE() << "a parameter in a unit and in the root was accepted";
+        } catch (const std::invalid_argument& e) {
+          std::cout << "error: " << e.what() << "\n";
+          EXPECT_NE(std::string(e.what()).find("emb.weight"), std::string::npos) << e.what();
+        }
+        for (const auto& p : model->parameters()) EXPECT_GT(storage_bytes(p), 0) << "the model must be left as it was";
+        EXPECT_TRUE(at::equal(model->emb->weight, before));
+      },
+      test_group());
 
   // The fix: the shared module in the root. Two ranks, one SGD step, against one device on the union batch.
   Batch global;
   global.input = at::linspace(-1.0, 1.0, 16).reshape({4, 4});
-  global.target = at::zeros({4}, at::kLong);  // unused by this loss; rank_slice slices it too
+  global.target = at::zeros({4}, at::kLong);            // unused by this loss; rank_slice slices it too
   auto sgd_step = [](std::vector<at::Tensor> params) {  // each tensor once: the reference lists the tied one twice
     torch::NoGradGuard no_grad;
     std::set<const c10::TensorImpl*> done;
@@ -499,13 +542,16 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFi
   ref->loss(global).backward();
   sgd_step(ref->parameters());
   std::vector<std::vector<at::Tensor>> finals(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = std::make_shared<Tied>(/*in_unit=*/false);
-    FullyShardedModel fsdp(model, comm);
-    fsdp.loss(rank_slice(global, comm.rank(), comm.size())).backward();
-    sgd_step(fsdp.parameters());
-    finals[comm.rank()] = on_cpu(fsdp.full_parameters());
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<Tied>(/*in_unit=*/false);
+        FullyShardedModel fsdp(model, comm);
+        fsdp.loss(rank_slice(global, comm.rank(), comm.size())).backward();
+        sgd_step(fsdp.parameters());
+        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
+      },
+      test_group());
   for (int r = 0; r < 2; ++r) {
     const double diff = max_abs_diff(finals[r], on_cpu(ref->parameters()));
     std::cout << "shared module in the root, rank " << r << ": max |param - reference| = " << diff << "\n";
@@ -517,17 +563,20 @@ TEST(FullyShardedModel, EvaluationGathersAndFreesWithoutBackward) {
   TrainConfig c;
   c.model = "tiny_gpt";
   c.global_batch = 4;
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(c, at::kCPU);
-    Options options;
-    options.reshard_after_forward = false;
-    FullyShardedModel fsdp(model, comm, options);
-    auto data = make_dataset(c.model, c.seed);
-    torch::NoGradGuard no_grad;
-    const double loss = fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).item<double>();
-    EXPECT_GT(loss, 0);
-    for (const auto& unit : fsdp.units()) EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        Options options;
+        options.reshard_after_forward = false;
+        FullyShardedModel fsdp(model, comm, options);
+        auto data = make_dataset(c.model, c.seed);
+        torch::NoGradGuard no_grad;
+        const double loss = fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).item<double>();
+        EXPECT_GT(loss, 0);
+        for (const auto& unit : fsdp.units()) EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
+      },
+      test_group());
 }
 
 }  // namespace

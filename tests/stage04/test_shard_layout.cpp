@@ -17,8 +17,8 @@ struct LayoutCase {
 };
 
 TEST(ShardLayout, RowsPerRankFollowTorchChunkAndConcatenateToTheOriginal) {
-  const std::vector<LayoutCase> cases{{5, 4, {2, 2, 1, 0}}, {7, 4, {2, 2, 2, 1}}, {1, 2, {1, 0}},
-                                      {8, 4, {2, 2, 2, 2}}, {7, 3, {3, 3, 1}}};
+  const std::vector<LayoutCase> cases{
+      {5, 4, {2, 2, 1, 0}}, {7, 4, {2, 2, 2, 1}}, {1, 2, {1, 0}}, {8, 4, {2, 2, 2, 2}}, {7, 3, {3, 3, 1}}};
   for (const auto& c : cases) {
     const at::Tensor full = at::arange(c.d0 * 3, at::kFloat).view({c.d0, 3}).mul_(1.25);
     const ShardSpec spec = shard_spec(full.sizes(), c.world);

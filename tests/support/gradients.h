@@ -14,7 +14,8 @@ namespace shardlab::test_support {
 /// `.grad()` (so no gradient-ready hook fires: a DDP wrapper of `model` sees nothing). Undefined for a parameter
 /// the loss does not depend on. Run before a backward through the wrapper, it gives this rank's own gradient of
 /// that backward bit for bit (the same operations on the same values).
-inline std::vector<at::Tensor> local_gradients(Model& model, const Batch& batch, const std::vector<at::Tensor>& params) {
+inline std::vector<at::Tensor> local_gradients(Model& model, const Batch& batch,
+                                               const std::vector<at::Tensor>& params) {
   const at::Tensor loss = model.loss(batch);
   return torch::autograd::grad({loss}, params, /*grad_outputs=*/{}, /*retain_graph=*/false,
                                /*create_graph=*/false, /*allow_unused=*/true);

@@ -24,30 +24,33 @@ template <typename Make>
 void expect_no_sync_contract(const std::string& model_name, Make make) {
   // [rank][parameter]: the ranks' own gradients of the two batches, and .grad() after each backward
   std::vector<std::vector<at::Tensor>> own_first(2), own_second(2), after_no_sync(2), after_sync(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model(model_name, 9);
-    auto ddp = make(model, comm);
-    const auto params = trainable_parameters(*model);
-    auto data = make_dataset(model_name, 9);
-    const Batch first = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
-    const Batch second = rank_slice(data->global_batch(2, 8), comm.rank(), 2);
-    own_first[comm.rank()] = local_gradients(*model, first, params);
-    own_second[comm.rank()] = local_gradients(*model, second, params);
-    const size_t mark = comm.recorder().size();
-    {
-      auto scope = ddp->no_sync();
-      EXPECT_FALSE(ddp->sync_enabled());
-      { auto inner = ddp->no_sync(); }
-      EXPECT_FALSE(ddp->sync_enabled()) << "an inner scope restores the setting it found: still off";
-      ddp->loss(first).backward();
-    }
-    EXPECT_TRUE(ddp->sync_enabled());
-    EXPECT_EQ(comm.recorder().size(), mark) << "no collective inside no_sync";
-    for (const auto& p : params) after_no_sync[comm.rank()].push_back(p.grad().clone());
-    ddp->loss(second).backward();
-    EXPECT_GT(comm.recorder().size(), mark) << "the backward after the scope synchronizes";
-    for (const auto& p : params) after_sync[comm.rank()].push_back(p.grad().clone());
-  }, test_group());
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(model_name, 9);
+        auto ddp = make(model, comm);
+        const auto params = trainable_parameters(*model);
+        auto data = make_dataset(model_name, 9);
+        const Batch first = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+        const Batch second = rank_slice(data->global_batch(2, 8), comm.rank(), 2);
+        own_first[comm.rank()] = local_gradients(*model, first, params);
+        own_second[comm.rank()] = local_gradients(*model, second, params);
+        const size_t mark = comm.recorder().size();
+        {
+          auto scope = ddp->no_sync();
+          EXPECT_FALSE(ddp->sync_enabled());
+          { auto inner = ddp->no_sync(); }
+          EXPECT_FALSE(ddp->sync_enabled()) << "an inner scope restores the setting it found: still off";
+          ddp->loss(first).backward();
+        }
+        EXPECT_TRUE(ddp->sync_enabled());
+        EXPECT_EQ(comm.recorder().size(), mark) << "no collective inside no_sync";
+        for (const auto& p : params) after_no_sync[comm.rank()].push_back(p.grad().clone());
+        ddp->loss(second).backward();
+        EXPECT_GT(comm.recorder().size(), mark) << "the backward after the scope synchronizes";
+        for (const auto& p : params) after_sync[comm.rank()].push_back(p.grad().clone());
+      },
+      test_group());
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(after_no_sync[r].size(), own_first[r].size());
     for (size_t i = 0; i < own_first[r].size(); ++i)

@@ -14,8 +14,9 @@ namespace shardlab::test_support {
 /// stepping `params` (a replica's parameters, or FSDP's shards), with the batches on `device`. `after_step(step)`,
 /// when given, runs after each optimizer step.
 template <typename Wrapper, typename AfterStep = void (*)(int)>
-void train_steps(Communicator& comm, const TrainConfig& c, std::vector<at::Tensor> params, const c10::Device& device,
-                 Wrapper& ddp, AfterStep after_step = [](int) {}) {
+void train_steps(
+    Communicator& comm, const TrainConfig& c, std::vector<at::Tensor> params, const c10::Device& device, Wrapper& ddp,
+    AfterStep after_step = [](int) {}) {
   auto data = make_dataset(c.model, c.seed);
   auto opt = make_optimizer(c.optimizer, std::move(params), c.lr);
   for (int step = 0; step < c.steps; ++step) {

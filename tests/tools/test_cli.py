@@ -33,6 +33,10 @@ expect([shardlab, "train", "--strategy", "single", "--world-size", "4"], 2, "run
 expect([shardlab, "train", "--bogus", "1"], 2, "unknown flag '--bogus'")
 expect([shardlab, "train", "--steps"], 2, "--steps expects a value")
 expect([shardlab, "train", "--device", "gpu"], 2, "unknown device 'gpu'; expected cpu, cuda or cuda:N")
+# --json is checked before any rank starts (no training is wasted on a path that cannot be written).
+expect([shardlab, "train", "--steps", "1", "--json", "/nonexistent-dir/run.json"], 2,
+       "--json expects a file in an existing directory; got '/nonexistent-dir/run.json'")
+expect([shardlab, "train", "--steps", "1", "--json", "/tmp"], 2, "--json expects a file to write; got '/tmp', a directory")
 expect([shardlab, "train", "--backend", "mpi"], 2, "--backend expects one of gloo|nccl; got 'mpi'")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
 expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")

@@ -39,7 +39,7 @@ struct BenchOptions {
   std::string python = "/usr/bin/python3";       // Debian's python3-torch lives there
   std::string torch_script = SHARDLAB_TORCH_DDP_SCRIPT;
   bool torch = true;
-  int repeat = 3;                                // each figure: best median of this many runs
+  int repeat = 3;  // each figure: best median of this many runs
 };
 
 BenchOptions parse_bench(const std::vector<std::string>& args) {
@@ -47,12 +47,14 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
   // The benchmark's defaults: the tiny GPT on 2 ranks, one thread each (2 ranks on 2 cores), 60 steps. Bucket
   // caps scaled to the model (111 KiB of gradients; PyTorch's 25 MiB would make one bucket that can only start
   // when backward is over): 16 KiB first, 32 KiB then, about 4 buckets. PyTorch DDP gets the same caps.
-  std::vector<std::string> rest{"--model", "tiny_gpt", "--world-size", "2", "--steps", "60", "--global-batch", "16",
-                                "--threads", "1", "--first-bucket-kb", "16", "--bucket-cap-kb", "32"};
+  std::vector<std::string> rest{"--model",         "tiny_gpt", "--world-size", "2", "--steps",           "60",
+                                "--global-batch",  "16",       "--threads",    "1", "--first-bucket-kb", "16",
+                                "--bucket-cap-kb", "32"};
   // The FSDP section's: the same tiny GPT made about 1M parameters wide (4 blocks of width 128: 800k), so that
   // communication is not all latency; 20 steps.
-  std::vector<std::string> fsdp_rest{"--model", "tiny_gpt", "--world-size", "2", "--steps", "20", "--global-batch",
-                                     "16", "--threads", "1", "--dim", "128", "--layers", "4"};
+  std::vector<std::string> fsdp_rest{"--model",        "tiny_gpt", "--world-size", "2", "--steps", "20",
+                                     "--global-batch", "16",       "--threads",    "1", "--dim",   "128",
+                                     "--layers",       "4"};
   const char* root_env = std::getenv("SHARDLAB_TRIXIE_ROOT");
   b.fsdp.torch_root = root_env && *root_env ? root_env : "/var/cache/shardlab/trixie";
   for (size_t i = 0; i < args.size(); ++i) {
@@ -61,19 +63,23 @@ BenchOptions parse_bench(const std::vector<std::string>& args) {
       if (i + 1 >= args.size()) throw std::invalid_argument(a + " expects a value; got nothing");
       return args[++i];
     };
-    if (a == "--out") b.out = value();
-    else if (a == "--python") b.python = value();
-    else if (a == "--torch-script") b.torch_script = value();
-    else if (a == "--no-torch") b.torch = false;
-    else if (a == "--torch-root") b.fsdp.torch_root = value();
+    if (a == "--out")
+      b.out = value();
+    else if (a == "--python")
+      b.python = value();
+    else if (a == "--torch-script")
+      b.torch_script = value();
+    else if (a == "--no-torch")
+      b.torch = false;
+    else if (a == "--torch-root")
+      b.fsdp.torch_root = value();
     else if (a == "--section") {
       const std::string& v = value();
       if (v != "ddp" && v != "fsdp" && v != "all")
         throw std::invalid_argument("--section expects one of ddp|fsdp|all; got '" + v + "'");
       b.ddp_section = v != "fsdp";
       b.fsdp_section = v != "ddp";
-    }
-    else if (a == "--repeat") {
+    } else if (a == "--repeat") {
       const std::string& v = value();
       b.repeat = std::atoi(v.c_str());
       if (b.repeat < 1 || b.repeat > 20 || v.find_first_not_of("0123456789") != std::string::npos)
@@ -112,9 +118,8 @@ PeerRun run_peer_script(const RunOptions& o, const std::vector<std::string>& arg
   lo.nproc = o.world_size;
   lo.timeout = std::chrono::seconds(o.timeout_s);
   std::string last;
-  const LaunchResult r = launch(lo, argv, [&](int rank, const std::string& line) {
-    last = "[rank " + std::to_string(rank) + "] " + line;
-  });
+  const LaunchResult r = launch(
+      lo, argv, [&](int rank, const std::string& line) { last = "[rank " + std::to_string(rank) + "] " + line; });
   std::ifstream in(result);
   std::stringstream text;
   text << in.rdbuf();
@@ -137,13 +142,24 @@ TorchResult run_torch(const BenchOptions& b) {
   if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("cannot create a temporary directory under /tmp");
   const std::string json = std::string(tmpl) + "/torch.json";
   const auto& o = b.run;
-  std::vector<std::string> argv{b.python, b.torch_script, "--steps", std::to_string(o.train.steps),
-                                "--global-batch", std::to_string(o.train.global_batch),
-                                "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
-                                "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
-                                "--threads", std::to_string(o.threads > 0 ? o.threads : 1),
-                                "--layers", std::to_string(o.train.layers), "--dim", std::to_string(o.train.dim),
-                                "--json", json};
+  std::vector<std::string> argv{b.python,
+                                b.torch_script,
+                                "--steps",
+                                std::to_string(o.train.steps),
+                                "--global-batch",
+                                std::to_string(o.train.global_batch),
+                                "--bucket-cap-kb",
+                                std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+                                "--first-bucket-kb",
+                                std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
+                                "--threads",
+                                std::to_string(o.threads > 0 ? o.threads : 1),
+                                "--layers",
+                                std::to_string(o.train.layers),
+                                "--dim",
+                                std::to_string(o.train.dim),
+                                "--json",
+                                json};
   const PeerRun run = run_peer_script(o, argv, json);
   fs::remove_all(tmpl);
   if (!run.ok) {
@@ -160,7 +176,6 @@ TorchResult run_torch(const BenchOptions& b) {
   if (std::regex_search(s, m, std::regex("\"torch_version\"\\s*:\\s*\"([^\"]*)\""))) t.version = m[1];
   return t;
 }
-
 
 std::string fmt(double v, int precision) {
   std::ostringstream s;
@@ -181,21 +196,22 @@ int run_bench(const std::vector<std::string>& args, const std::string& self_exe)
   if (b.fsdp_section) {
     const FsdpBenchResult f = run_fsdp_bench(b.fsdp, self_exe);
     std::cout << "\nshardlab bench, FSDP: " << f.heading << "\n\n" << f.markdown << "\n" << f.targets;
-    fsdp_md = "## FSDP beside PyTorch FSDP2\n\n" + f.heading + ".\n\n" + f.markdown + "\nTargets:\n\n" + f.targets +
-              "\n*Sent bytes* are what each rank sends per step under ring algorithms (an all-gather sends N-1 of its N "
-              "chunks, shardlab's ring reduce-scatter N-1 of N rows, an all-reduce twice that), against the lower bound "
-              "3(N-1)/N x 4 bytes x parameters for FSDP with resharding after forward (2(N-1)/N without, and for DDP). "
-              "*Peak* memory is measured by FSDP's accounting against the layout's theory.\n";
+    fsdp_md =
+        "## FSDP beside PyTorch FSDP2\n\n" + f.heading + ".\n\n" + f.markdown + "\nTargets:\n\n" + f.targets +
+        "\n*Sent bytes* are what each rank sends per step under ring algorithms (an all-gather sends N-1 of its N "
+        "chunks, shardlab's ring reduce-scatter N-1 of N rows, an all-reduce twice that), against the lower bound "
+        "3(N-1)/N x 4 bytes x parameters for FSDP with resharding after forward (2(N-1)/N without, and for DDP). "
+        "*Peak* memory is measured by FSDP's accounting against the layout's theory.\n";
     fsdp_json = f.json;
   }
   if (!b.out.empty()) {
-    write_file_atomically(b.out + ".md", "# Benchmark: shardlab beside PyTorch\n\nGenerated by `shardlab bench --out " +
-                                             b.out + "` (see README). Machine: " +
-                                             std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) + " CPU cores.\n\n" +
-                                             ddp_md + (ddp_md.empty() || fsdp_md.empty() ? "" : "\n") + fsdp_md);
-    write_file_atomically(b.out + ".json", "{\n  \"ddp\": " + (ddp_json.empty() ? std::string("null") : ddp_json) +
-                                               ",\n  \"fsdp\": " + (fsdp_json.empty() ? std::string("null") : fsdp_json) +
-                                               "\n}\n");
+    write_file_atomically(b.out + ".md",
+                          "# Benchmark: shardlab beside PyTorch\n\nGenerated by `shardlab bench --out " + b.out +
+                              "` (see README). Machine: " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) +
+                              " CPU cores.\n\n" + ddp_md + (ddp_md.empty() || fsdp_md.empty() ? "" : "\n") + fsdp_md);
+    write_file_atomically(b.out + ".json",
+                          "{\n  \"ddp\": " + (ddp_json.empty() ? std::string("null") : ddp_json) +
+                              ",\n  \"fsdp\": " + (fsdp_json.empty() ? std::string("null") : fsdp_json) + "\n}\n");
     std::cout << "\nwrote " << b.out << ".md and " << b.out << ".json\n";
   }
   return 0;
@@ -241,13 +257,14 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   // The table (also the markdown file).
   std::ostringstream md;
   md << "| strategy | step ms | vs PyTorch DDP | collectives/step | bytes/step | buckets | comm ms/step | exposed "
-        "ms/step | exposed % of comm | exposed % of step | max abs param diff |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "ms/step | exposed % of comm | exposed % of step | max abs param diff "
+        "|\n|---|---|---|---|---|---|---|---|---|---|---|\n";
   auto pct = [](double a, double b) { return b > 0 ? 100.0 * a / b : 0.0; };
   for (const auto& r : rows) {
     md << "| " << r.strategy << " | " << fmt(r.step_time_ms, 2) << " | "
-       << (torch.ok ? fmt(r.step_time_ms / torch.step_ms, 2) + "x" : "n/a") << " | " << r.collectives_per_step
-       << " | " << static_cast<int64_t>(r.bytes_per_step) << " | " << r.buckets << " | "
-       << fmt(r.comm_busy_ms_per_step, 2) << " | " << fmt(r.exposed_comm_ms_per_step, 2) << " | "
+       << (torch.ok ? fmt(r.step_time_ms / torch.step_ms, 2) + "x" : "n/a") << " | " << r.collectives_per_step << " | "
+       << static_cast<int64_t>(r.bytes_per_step) << " | " << r.buckets << " | " << fmt(r.comm_busy_ms_per_step, 2)
+       << " | " << fmt(r.exposed_comm_ms_per_step, 2) << " | "
        << fmt(pct(r.exposed_comm_ms_per_step, r.comm_busy_ms_per_step), 0) << " % | "
        << fmt(pct(r.exposed_comm_ms_per_step, r.step_time_ms), 0) << " % | " << r.max_param_diff << " |\n";
   }
@@ -261,8 +278,8 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   std::ostringstream targets;
   if (torch.ok) {
     const double ratio = bucketed->step_time_ms / torch.step_ms;
-    targets << "- bucketed DDP step time / PyTorch DDP = " << fmt(ratio, 2) << " (target <= 0.90): "
-            << (ratio <= 0.9 ? "met" : "MISSED by " + fmt(ratio - 0.9, 2)) << "\n";
+    targets << "- bucketed DDP step time / PyTorch DDP = " << fmt(ratio, 2)
+            << " (target <= 0.90): " << (ratio <= 0.9 ? "met" : "MISSED by " + fmt(ratio - 0.9, 2)) << "\n";
   } else {
     targets << "- bucketed DDP vs PyTorch DDP: no figure, " << torch.why << "\n";
   }
@@ -270,31 +287,34 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   targets << "- bucketed DDP exposed communication = " << fmt(exposed, 0) << " % of its communication time (target "
           << "<= 25 %): " << (exposed <= 25 ? "met" : "MISSED by " + fmt(exposed - 25, 0) + " points") << "; "
           << fmt(pct(bucketed->exposed_comm_ms_per_step, bucketed->step_time_ms), 0) << " % of its step time\n";
-  const double fewer = bucketed->collectives_per_step > 0 ? naive->collectives_per_step / bucketed->collectives_per_step : 0;
+  const double fewer =
+      bucketed->collectives_per_step > 0 ? naive->collectives_per_step / bucketed->collectives_per_step : 0;
   const double faster = bucketed->step_time_ms > 0 ? naive->step_time_ms / bucketed->step_time_ms : 0;
-  targets << "- naive vs bucketed: " << fmt(fewer, 1) << "x fewer collectives (target >= 2x): "
-          << (fewer >= 2 ? "met" : "MISSED") << "; naive step / bucketed step = " << fmt(faster, 2)
-          << " (target > 1): " << (faster > 1 ? "met" : "MISSED") << "\n";
+  targets << "- naive vs bucketed: " << fmt(fewer, 1)
+          << "x fewer collectives (target >= 2x): " << (fewer >= 2 ? "met" : "MISSED")
+          << "; naive step / bucketed step = " << fmt(faster, 2) << " (target > 1): " << (faster > 1 ? "met" : "MISSED")
+          << "\n";
 
   std::ostringstream head;
   head << "model " << o.train.model << " (" << params << " parameters), world size " << o.world_size
-       << " (processes, Gloo on CPU), global batch " << o.train.global_batch << ", " << o.train.steps
-       << " steps, sgd, " << (o.threads > 0 ? std::to_string(o.threads) : std::string("default")) << " thread(s) per rank, "
+       << " (processes, Gloo on CPU), global batch " << o.train.global_batch << ", " << o.train.steps << " steps, sgd, "
+       << (o.threads > 0 ? std::to_string(o.threads) : std::string("default")) << " thread(s) per rank, "
        << "bucket caps " << o.strategy_options.first_bucket_cap_bytes / 1024 << " KiB first, "
        << o.strategy_options.bucket_cap_bytes / 1024 << " KiB then; each figure is the best median step time of "
        << b.repeat << " interleaved rounds";
   std::cout << "\nshardlab bench, DDP: " << head.str() << "\n\n" << md.str() << "\n" << targets.str();
-  *md_out = "## DDP beside PyTorch DDP\n\n" + head.str() + ". Machine: " + blas_in("") + " on the host.\n\n" + md.str() +
-            "\nTargets:\n\n" + targets.str() +
+  *md_out = "## DDP beside PyTorch DDP\n\n" + head.str() + ". Machine: " + blas_in("") + " on the host.\n\n" +
+            md.str() + "\nTargets:\n\n" + targets.str() +
             "\n*Exposed* communication is the time the training thread waited for collectives at the end of "
             "backward (nothing hid it), as a share of the time any collective was in flight. Step times are medians "
             "over the steps of one run (the first steps included).\n";
   std::ostringstream json;
   json.precision(17);
-  json << "{\n  \"pytorch_ddp\": {\"ok\": " << (torch.ok ? "true" : "false") << ", \"median_step_ms\": "
-       << (torch.ok ? torch.step_ms : 0.0) << ", \"torch_version\": \"" << torch.version << "\"},\n"
-       << "  \"repeat\": " << b.repeat << ",\n  \"threads\": " << o.threads << ",\n  \"strategies\": "
-       << reports_json(rows, true) << "}";
+  json << "{\n  \"pytorch_ddp\": {\"ok\": " << (torch.ok ? "true" : "false")
+       << ", \"median_step_ms\": " << (torch.ok ? torch.step_ms : 0.0) << ", \"torch_version\": \"" << torch.version
+       << "\"},\n"
+       << "  \"repeat\": " << b.repeat << ",\n  \"threads\": " << o.threads
+       << ",\n  \"strategies\": " << reports_json(rows, true) << "}";
   *json_out = json.str();
 }
 

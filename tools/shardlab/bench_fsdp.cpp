@@ -89,20 +89,33 @@ PeerResult run_peer(const FsdpBenchOptions& b, bool raf) {
   for (const char* script : {"torch_fsdp.py", "torch_ddp.py"}) {
     fs::copy_file(fs::path(b.scripts_dir) / script, dir / script, fs::copy_options::overwrite_existing, ec);
     if (ec) {
-      p.why = "cannot copy " + (fs::path(b.scripts_dir) / script).string() + " into " + dir.string() + ": " +
-              ec.message();
+      p.why =
+          "cannot copy " + (fs::path(b.scripts_dir) / script).string() + " into " + dir.string() + ": " + ec.message();
       return p;
     }
   }
   const std::string json = (inside / "fsdp.json").string();
   fs::remove(dir / "fsdp.json", ec);
-  std::vector<std::string> argv{"chroot", b.torch_root, "/usr/bin/python3", (inside / "torch_fsdp.py").string(),
-                                "--steps", std::to_string(o.train.steps), "--global-batch",
-                                std::to_string(o.train.global_batch), "--threads",
-                                std::to_string(o.threads > 0 ? o.threads : 1), "--layers",
-                                std::to_string(o.train.layers), "--dim", std::to_string(o.train.dim), "--vocab",
-                                std::to_string(corpus_vocab().size()), "--reshard-after-forward",
-                                raf ? "true" : "false", "--json", json};
+  std::vector<std::string> argv{"chroot",
+                                b.torch_root,
+                                "/usr/bin/python3",
+                                (inside / "torch_fsdp.py").string(),
+                                "--steps",
+                                std::to_string(o.train.steps),
+                                "--global-batch",
+                                std::to_string(o.train.global_batch),
+                                "--threads",
+                                std::to_string(o.threads > 0 ? o.threads : 1),
+                                "--layers",
+                                std::to_string(o.train.layers),
+                                "--dim",
+                                std::to_string(o.train.dim),
+                                "--vocab",
+                                std::to_string(corpus_vocab().size()),
+                                "--reshard-after-forward",
+                                raf ? "true" : "false",
+                                "--json",
+                                json};
   const PeerRun run = run_peer_script(o, argv, (dir / "fsdp.json").string());
   if (!run.ok) {
     p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
@@ -193,8 +206,8 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
     const PeerResult& peer = peers[row.raf ? 0 : 1];
     const bool vs = ratios && row.strategy == "fsdp";
     md << "| " << row.label << " | " << fmt(r.step_time_ms, 2) << " | "
-       << (vs ? fmt(r.step_time_ms / peer.step_ms, 2) + "x" : std::string(row.strategy == "fsdp" ? "n/a" : ""))
-       << " | " << r.collectives_per_step << " | " << static_cast<int64_t>(r.bytes_per_step) << " | "
+       << (vs ? fmt(r.step_time_ms / peer.step_ms, 2) + "x" : std::string(row.strategy == "fsdp" ? "n/a" : "")) << " | "
+       << r.collectives_per_step << " | " << static_cast<int64_t>(r.bytes_per_step) << " | "
        << static_cast<int64_t>(r.sent_bytes_per_step) << " | " << fmt(r.sent_bytes_per_step / ring_theory(row), 3)
        << " | " << static_cast<int64_t>(r.peak_param_bytes) << " | "
        << fmt(r.peak_param_bytes / std::max(1.0, r.peak_param_bytes_theory), 2) << " | "
@@ -216,8 +229,9 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
     for (int i = 0; i < 2; ++i) {
       const RunReport& mine = i == 0 ? raf : kept;
       const double ratio = mine.step_time_ms / peers[i].step_ms;
-      targets << "- FSDP " << (i == 0 ? "(reshard after forward)" : "(kept)") << " step time / PyTorch FSDP2 = "
-              << fmt(ratio, 2) << " (target <= 0.90): " << (ratio <= 0.9 ? "met" : "MISSED by " + fmt(ratio - 0.9, 2))
+      targets << "- FSDP " << (i == 0 ? "(reshard after forward)" : "(kept)")
+              << " step time / PyTorch FSDP2 = " << fmt(ratio, 2)
+              << " (target <= 0.90): " << (ratio <= 0.9 ? "met" : "MISSED by " + fmt(ratio - 0.9, 2))
               << "; FSDP2 sends " << fmt(peers[i].sent / std::max(1.0, mine.sent_bytes_per_step), 2)
               << "x our bytes for the same step (its Gloo reduce-scatter is an all-reduce)\n";
     }
@@ -257,9 +271,10 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   json.precision(17);
   json << "{\"pytorch_fsdp2\": [";
   for (int i = 0; i < 2; ++i)
-    json << (i ? ", " : "") << "{\"ok\": " << (ratios ? "true" : "false") << ", \"reshard_after_forward\": "
-         << (i == 0 ? "true" : "false") << ", \"median_step_ms\": " << peers[i].step_ms
-         << ", \"sent_bytes_per_step\": " << peers[i].sent << ", \"torch_version\": \"" << peers[i].version << "\"}";
+    json << (i ? ", " : "") << "{\"ok\": " << (ratios ? "true" : "false")
+         << ", \"reshard_after_forward\": " << (i == 0 ? "true" : "false")
+         << ", \"median_step_ms\": " << peers[i].step_ms << ", \"sent_bytes_per_step\": " << peers[i].sent
+         << ", \"torch_version\": \"" << peers[i].version << "\"}";
   json << "], \"host_blas\": \"" << host_blas << "\", \"peer_blas\": \"" << peer_blas
        << "\", \"strategies\": " << reports_json(reports, true) << "}";
   out.json = json.str();

@@ -83,8 +83,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     std::error_code ec;
     fs::create_directories(o.trace_dir, ec);
     if (ec || !fs::is_directory(o.trace_dir))
-      throw std::invalid_argument("--trace expects a directory it can create or write; got '" + o.trace_dir +
-                                  "' (" + ec.message() + ")");
+      throw std::invalid_argument("--trace expects a directory it can create or write; got '" + o.trace_dir + "' (" +
+                                  ec.message() + ")");
     o.trace_dir = fs::absolute(o.trace_dir).string();
   }
 
@@ -169,8 +169,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       throw std::runtime_error("rank " + std::to_string(rank) + " wrote parameters of another size than the model");
     r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
   }
-  const Theory theory =
-      strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
+  const Theory theory = strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;
   return r;
@@ -188,11 +187,12 @@ void print_report(const RunReport& r) {
     std::cout << "  " << std::setw(4) << s << std::fixed << std::setprecision(6) << std::setw(12) << r.losses[s]
               << std::setw(12) << r.reference_losses[s] << std::scientific << std::setprecision(2) << std::setw(15)
               << std::abs(r.losses[s] - r.reference_losses[s]) << "\n";
-  std::cout << std::defaultfloat << std::setprecision(6) << "\n  max parameter difference vs single device: "
-            << r.max_param_diff << "\n  collectives per step: " << r.collectives_per_step
-            << " (theory " << r.collectives_per_step_theory << "), plus " << r.setup_collectives
-            << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step)
-            << " (theory " << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n";
+  std::cout << std::defaultfloat << std::setprecision(6)
+            << "\n  max parameter difference vs single device: " << r.max_param_diff
+            << "\n  collectives per step: " << r.collectives_per_step << " (theory " << r.collectives_per_step_theory
+            << "), plus " << r.setup_collectives
+            << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step) << " (theory "
+            << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n";
   if (r.bytes_per_step != r.bytes_per_step_theory && r.strategy == "hook_bf16")
     std::cout << "  (the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks])\n";
   if (r.buckets > 0) std::cout << "  buckets: " << r.buckets << "\n";
@@ -221,16 +221,16 @@ void print_comparison(const std::vector<RunReport>& reports) {
             << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
             << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
             << "(theory)" << std::setw(12) << "step ms" << std::setw(13) << "exposed ms" << std::setw(12) << "param B"
-            << std::setw(10) << "(theory)" << std::setw(12) << "grad B" << std::setw(10) << "(theory)" << "\n";
+            << std::setw(10) << "(theory)" << std::setw(12) << "grad B" << std::setw(10) << "(theory)"
+            << "\n";
   for (const auto& r : reports) {
-    std::cout << std::left << std::setw(16) << r.strategy << std::right << std::setw(6) << r.world_size
-              << std::fixed << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12)
-              << r.reference_losses.back() << std::scientific << std::setprecision(2) << std::setw(14)
-              << r.max_param_diff << std::defaultfloat << std::setw(12) << r.collectives_per_step << std::setw(10)
-              << r.collectives_per_step_theory << std::setw(14) << static_cast<int64_t>(r.bytes_per_step)
-              << std::setw(12) << static_cast<int64_t>(r.bytes_per_step_theory) << std::fixed
-              << std::setprecision(2) << std::setw(12) << r.step_time_ms << std::setw(13)
-              << r.exposed_comm_ms_per_step << std::defaultfloat << std::setw(12)
+    std::cout << std::left << std::setw(16) << r.strategy << std::right << std::setw(6) << r.world_size << std::fixed
+              << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12) << r.reference_losses.back()
+              << std::scientific << std::setprecision(2) << std::setw(14) << r.max_param_diff << std::defaultfloat
+              << std::setw(12) << r.collectives_per_step << std::setw(10) << r.collectives_per_step_theory
+              << std::setw(14) << static_cast<int64_t>(r.bytes_per_step) << std::setw(12)
+              << static_cast<int64_t>(r.bytes_per_step_theory) << std::fixed << std::setprecision(2) << std::setw(12)
+              << r.step_time_ms << std::setw(13) << r.exposed_comm_ms_per_step << std::defaultfloat << std::setw(12)
               << static_cast<int64_t>(r.peak_param_bytes) << std::setw(10)
               << static_cast<int64_t>(r.peak_param_bytes_theory) << std::setw(12)
               << static_cast<int64_t>(r.peak_grad_bytes) << std::setw(10)

@@ -26,8 +26,8 @@ long parse_int(const std::string& flag, const std::string& value, long min, long
     used = 0;
   }
   if (used != value.size() || value.empty() || v < min || v > max)
-    throw std::invalid_argument(flag + " expects an integer in [" + std::to_string(min) + ", " +
-                                std::to_string(max) + "]; got '" + value + "'");
+    throw std::invalid_argument(flag + " expects an integer in [" + std::to_string(min) + ", " + std::to_string(max) +
+                                "]; got '" + value + "'");
   return v;
 }
 
@@ -66,40 +66,64 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
   o.train.global_batch = 16;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& flag = args[i];
-    if (flag.rfind("--", 0) != 0) throw std::invalid_argument("unexpected argument '" + flag + "'; flags start with --");
+    if (flag.rfind("--", 0) != 0)
+      throw std::invalid_argument("unexpected argument '" + flag + "'; flags start with --");
     if (i + 1 >= args.size()) throw std::invalid_argument(flag + " expects a value; got nothing");
     const std::string& v = args[++i];
-    if (flag == "--strategy" && allow_strategy) o.strategy = one_of(flag, v, strategy_names());
-    else if (flag == "--world-size") o.world_size = static_cast<int>(parse_int(flag, v, 1, 64));
-    else if (flag == "--model") o.train.model = one_of(flag, v, model_names());
-    else if (flag == "--steps") o.train.steps = static_cast<int>(parse_int(flag, v, 1, 100000));
-    else if (flag == "--global-batch") o.train.global_batch = parse_int(flag, v, 1, 1 << 20);
-    else if (flag == "--seed") o.train.seed = static_cast<uint64_t>(parse_int(flag, v, 0, 1L << 40));
-    else if (flag == "--optimizer") o.train.optimizer = one_of(flag, v, {"sgd", "adamw"});
-    else if (flag == "--lr") o.train.lr = parse_double(flag, v);
-    else if (flag == "--micro-batches") o.train.micro_batches = static_cast<int>(parse_int(flag, v, 1, 1024));
-    else if (flag == "--json") o.json = v;
-    else if (flag == "--timeout") o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
-    else if (flag == "--result-dir") o.result_dir = v;
-    else if (flag == "--bucket-cap-kb") o.strategy_options.bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
-    else if (flag == "--first-bucket-kb") o.strategy_options.first_bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
-    else if (flag == "--trace") o.trace_dir = v;
-    else if (flag == "--threads") o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
-    else if (flag == "--device") o.train.device = parse_device(v).str();
-    else if (flag == "--backend") o.backend = one_of(flag, v, {"gloo", "nccl"});
-    else if (flag == "--layers") o.train.layers = parse_int(flag, v, 1, 64);
-    else if (flag == "--dim") o.train.dim = parse_int(flag, v, 2, 4096);
+    if (flag == "--strategy" && allow_strategy)
+      o.strategy = one_of(flag, v, strategy_names());
+    else if (flag == "--world-size")
+      o.world_size = static_cast<int>(parse_int(flag, v, 1, 64));
+    else if (flag == "--model")
+      o.train.model = one_of(flag, v, model_names());
+    else if (flag == "--steps")
+      o.train.steps = static_cast<int>(parse_int(flag, v, 1, 100000));
+    else if (flag == "--global-batch")
+      o.train.global_batch = parse_int(flag, v, 1, 1 << 20);
+    else if (flag == "--seed")
+      o.train.seed = static_cast<uint64_t>(parse_int(flag, v, 0, 1L << 40));
+    else if (flag == "--optimizer")
+      o.train.optimizer = one_of(flag, v, {"sgd", "adamw"});
+    else if (flag == "--lr")
+      o.train.lr = parse_double(flag, v);
+    else if (flag == "--micro-batches")
+      o.train.micro_batches = static_cast<int>(parse_int(flag, v, 1, 1024));
+    else if (flag == "--json")
+      o.json = v;
+    else if (flag == "--timeout")
+      o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
+    else if (flag == "--result-dir")
+      o.result_dir = v;
+    else if (flag == "--bucket-cap-kb")
+      o.strategy_options.bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
+    else if (flag == "--first-bucket-kb")
+      o.strategy_options.first_bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
+    else if (flag == "--trace")
+      o.trace_dir = v;
+    else if (flag == "--threads")
+      o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
+    else if (flag == "--device")
+      o.train.device = parse_device(v).str();
+    else if (flag == "--backend")
+      o.backend = one_of(flag, v, {"gloo", "nccl"});
+    else if (flag == "--layers")
+      o.train.layers = parse_int(flag, v, 1, 64);
+    else if (flag == "--dim")
+      o.train.dim = parse_int(flag, v, 2, 4096);
     else if (flag == "--reshard-after-forward")
       o.strategy_options.reshard_after_forward = one_of(flag, v, {"true", "false"}) == "true";
-    else if (flag == "--param-dtype") o.strategy_options.param_dtype = one_of(flag, v, dtype_names());
-    else if (flag == "--reduce-dtype") o.strategy_options.reduce_dtype = one_of(flag, v, dtype_names());
-    else throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
+    else if (flag == "--param-dtype")
+      o.strategy_options.param_dtype = one_of(flag, v, dtype_names());
+    else if (flag == "--reduce-dtype")
+      o.strategy_options.reduce_dtype = one_of(flag, v, dtype_names());
+    else
+      throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
   const int world = o.strategy == "single" ? 1 : o.world_size;
   if (o.strategy == "single" && allow_strategy && o.world_size != 1 &&
       std::find(args.begin(), args.end(), "--world-size") != args.end())
-    throw std::invalid_argument("--strategy single runs on one rank; got --world-size " +
-                                std::to_string(o.world_size) + " (drop the flag or pass 1)");
+    throw std::invalid_argument("--strategy single runs on one rank; got --world-size " + std::to_string(o.world_size) +
+                                " (drop the flag or pass 1)");
   if (o.strategy == "single") o.world_size = 1;
   if (o.backend == "nccl" && !parse_device(o.train.device).is_cuda())
     throw std::invalid_argument("--backend nccl moves CUDA tensors only; it needs --device cuda, got --device " +
@@ -111,9 +135,9 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     throw std::invalid_argument("--dim expects an even width (tiny_gpt has 2 heads); got " +
                                 std::to_string(o.train.dim));
   if (o.train.global_batch % (static_cast<int64_t>(world) * o.train.micro_batches) != 0)
-    throw std::invalid_argument("--global-batch " + std::to_string(o.train.global_batch) +
-                                " must divide by world size x micro-batches = " +
-                                std::to_string(world * o.train.micro_batches));
+    throw std::invalid_argument(
+        "--global-batch " + std::to_string(o.train.global_batch) +
+        " must divide by world size x micro-batches = " + std::to_string(world * o.train.micro_batches));
   if (!o.json.empty()) {  // checked now, not after the whole training
     const fs::path file(o.json), dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
     std::error_code ec;
@@ -133,26 +157,45 @@ std::vector<std::string> to_args(const RunOptions& o) {
   std::ostringstream lr;
   lr.precision(17);
   lr << o.train.lr;
-  std::vector<std::string> args{"--strategy",      o.strategy,
-          "--world-size",    std::to_string(o.world_size),
-          "--model",         o.train.model,
-          "--steps",         std::to_string(o.train.steps),
-          "--global-batch",  std::to_string(o.train.global_batch),
-          "--seed",          std::to_string(o.train.seed),
-          "--optimizer",     o.train.optimizer,
-          "--lr",            lr.str(),
-          "--micro-batches", std::to_string(o.train.micro_batches),
-          "--result-dir",    o.result_dir,
-          "--bucket-cap-kb", std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
-          "--first-bucket-kb", std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
-          "--threads",       std::to_string(o.threads),
-          "--device",        o.train.device,
-          "--backend",       o.backend,
-          "--layers",        std::to_string(o.train.layers),
-          "--dim",           std::to_string(o.train.dim),
-          "--reshard-after-forward", o.strategy_options.reshard_after_forward ? "true" : "false"};
-  for (const auto& [flag, value] : {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
-                                    {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {
+  std::vector<std::string> args{"--strategy",
+                                o.strategy,
+                                "--world-size",
+                                std::to_string(o.world_size),
+                                "--model",
+                                o.train.model,
+                                "--steps",
+                                std::to_string(o.train.steps),
+                                "--global-batch",
+                                std::to_string(o.train.global_batch),
+                                "--seed",
+                                std::to_string(o.train.seed),
+                                "--optimizer",
+                                o.train.optimizer,
+                                "--lr",
+                                lr.str(),
+                                "--micro-batches",
+                                std::to_string(o.train.micro_batches),
+                                "--result-dir",
+                                o.result_dir,
+                                "--bucket-cap-kb",
+                                std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+                                "--first-bucket-kb",
+                                std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
+                                "--threads",
+                                std::to_string(o.threads),
+                                "--device",
+                                o.train.device,
+                                "--backend",
+                                o.backend,
+                                "--layers",
+                                std::to_string(o.train.layers),
+                                "--dim",
+                                std::to_string(o.train.dim),
+                                "--reshard-after-forward",
+                                o.strategy_options.reshard_after_forward ? "true" : "false"};
+  for (const auto& [flag, value] :
+       {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
+        {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {
     if (value.empty()) continue;
     args.push_back(flag);
     args.push_back(value);
@@ -168,7 +211,9 @@ std::string usage() {
   std::string strategies;
   for (const auto& s : strategy_names()) strategies += (strategies.empty() ? "" : "|") + s;
   return "usage:\n"
-         "  shardlab train   --strategy " + strategies + " [options]   train on N local ranks, compare to one device\n"
+         "  shardlab train   --strategy " +
+         strategies +
+         " [options]   train on N local ranks, compare to one device\n"
          "  shardlab compare [options]                                  every strategy side by side\n"
          "  shardlab bench   [options] [--out PREFIX] [--no-torch]      step time, traffic and overlap of every DDP\n"
          "                                                              strategy beside PyTorch DDP (PREFIX.json/.md)\n"
@@ -186,7 +231,8 @@ std::string usage() {
          "  --bucket-cap-kb N   bucket cap after the first bucket      default 25600 (25 MiB)\n"
          "  --first-bucket-kb N cap of the first bucket                default 1024 (1 MiB)\n"
          "  --reshard-after-forward true|false  FSDP: free units after forward   default true\n"
-         "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the parameters'\n"
+         "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the "
+         "parameters'\n"
          "  --reduce-dtype T    FSDP: reduce-scatter dtype             default: the param dtype\n"
          "  --threads N         compute threads per rank, libtorch's and OpenBLAS's (0: OMP_NUM_THREADS, which\n"
          "                      the launcher sets to 1 when unset) default 0\n"

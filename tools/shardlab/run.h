@@ -21,19 +21,19 @@ struct RunReport {
   double bytes_per_step = 0;             ///< payload bytes rank 0 handed to the backend per step
   double collectives_per_step_theory = 0;
   double bytes_per_step_theory = 0;
-  double sent_bytes_per_step = 0;        ///< rank 0: bytes sent per step under ring algorithms (see worker.cpp)
-  double setup_collectives = 0;          ///< collectives at construction (broadcast of the initial state)
-  double step_time_ms = 0;               ///< median over steps, rank 0
-  double buckets = 0;                    ///< gradient buckets (0: strategy without buckets)
-  double comm_busy_ms_per_step = 0;      ///< rank 0: time a collective was in flight, per step
-  double exposed_comm_ms_per_step = 0;   ///< rank 0: part of it the training thread waited for, per step
-  double peak_param_bytes = 0;           ///< rank 0: most parameter bytes held at once (FSDP: measured)
-  double peak_param_bytes_theory = 0;    ///< what theory says for the same layout
-  double peak_grad_bytes = 0;            ///< rank 0: most gradient bytes held at once (FSDP: measured)
-  double peak_grad_bytes_theory = 0;     ///< what theory says
-  bool reshard_after_forward = true;     ///< FSDP: the units' setting
-  std::string trace_dir;                 ///< where the Chrome traces went ("" = none)
-  std::string backend;                   ///< "gloo", "nccl", or "none" (single device)
+  double sent_bytes_per_step = 0;       ///< rank 0: bytes sent per step under ring algorithms (see worker.cpp)
+  double setup_collectives = 0;         ///< collectives at construction (broadcast of the initial state)
+  double step_time_ms = 0;              ///< median over steps, rank 0
+  double buckets = 0;                   ///< gradient buckets (0: strategy without buckets)
+  double comm_busy_ms_per_step = 0;     ///< rank 0: time a collective was in flight, per step
+  double exposed_comm_ms_per_step = 0;  ///< rank 0: part of it the training thread waited for, per step
+  double peak_param_bytes = 0;          ///< rank 0: most parameter bytes held at once (FSDP: measured)
+  double peak_param_bytes_theory = 0;   ///< what theory says for the same layout
+  double peak_grad_bytes = 0;           ///< rank 0: most gradient bytes held at once (FSDP: measured)
+  double peak_grad_bytes_theory = 0;    ///< what theory says
+  bool reshard_after_forward = true;    ///< FSDP: the units' setting
+  std::string trace_dir;                ///< where the Chrome traces went ("" = none)
+  std::string backend;                  ///< "gloo", "nccl", or "none" (single device)
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into

@@ -1,8 +1,8 @@
 #include "strategies.h"
 
-#include "shardlab/common/compat.h"
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
 #include "shardlab/fsdp/fsdp.h"
@@ -19,9 +19,7 @@ namespace shardlab::cli {
 namespace {
 
 // Model `c.model` on `c.device` (an index the worker has already resolved for this rank).
-std::shared_ptr<Model> model_on_device(const TrainConfig& c) {
-  return make_model(c, parse_device(c.device));
-}
+std::shared_ptr<Model> model_on_device(const TrainConfig& c) { return make_model(c, parse_device(c.device)); }
 
 // The single-device "wrapper": no communication at all.
 class SingleDevice {
@@ -77,8 +75,10 @@ std::vector<CounterSample> counters_of(const Wrapper&) {
 std::vector<CounterSample> counters_of(const fsdp::FullyShardedModel& w) {
   std::vector<CounterSample> out;
   for (const auto& s : w.memory_samples())
-    out.push_back({"fsdp memory", s.ns,
-                   {{"param_bytes", static_cast<double>(s.param_bytes)}, {"grad_bytes", static_cast<double>(s.grad_bytes)}}});
+    out.push_back(
+        {"fsdp memory",
+         s.ns,
+         {{"param_bytes", static_cast<double>(s.param_bytes)}, {"grad_bytes", static_cast<double>(s.grad_bytes)}}});
   return out;
 }
 
@@ -102,7 +102,9 @@ template <typename Wrapper>
 class WrappedRunner : public StepRunner {
  public:
   WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper)
-      : config_(c), model_(std::move(model)), wrapper_(std::move(wrapper)),
+      : config_(c),
+        model_(std::move(model)),
+        wrapper_(std::move(wrapper)),
         optimizer_(make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {}
 
   double step(const Batch& local) override {

@@ -100,8 +100,8 @@ int run_worker(const RunOptions& options) {
     comm_ns = comm_time(records, comm->recorder().waits(), first_step_ns, last_step_ns);
   }
   out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
-      << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms " << comm_ns.exposed_ns / 1e6
-      << "\nbuckets " << runner->buckets() << "\n";
+      << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms "
+      << comm_ns.exposed_ns / 1e6 << "\nbuckets " << runner->buckets() << "\n";
   const MemoryFigures mem = runner->memory();
   out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
       << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory

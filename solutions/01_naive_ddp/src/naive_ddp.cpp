@@ -38,7 +38,7 @@ void broadcast_state(Model& module, Communicator& comm) {
 
 void NaiveDDP::on_gradient_ready(size_t index) {
   // BEGIN SOLUTION(01): launch an asynchronous average of this parameter's gradient
-  if (!sync_enabled_) return;  // accumulating locally: the last micro-batch synchronizes
+  if (!sync_enabled_) return;            // accumulating locally: the last micro-batch synchronizes
   readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
   // Reduce the gradient (not the parameter), in place, averaged over ranks; backward keeps running meanwhile.
   pending_.push_back(comm_.all_reduce(params_[index].grad(), ReduceOp::kAvg));

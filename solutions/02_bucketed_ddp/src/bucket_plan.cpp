@@ -9,8 +9,8 @@
 
 namespace shardlab::bucketed_ddp {
 
-std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
-                                                const std::vector<size_t>& order, BucketCaps caps) {
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
+                                                BucketCaps caps) {
   if (caps.first_bytes <= 0 || caps.bytes <= 0)
     throw std::invalid_argument("assign_buckets: bucket caps must be positive; got first " +
                                 std::to_string(caps.first_bytes) + " bytes, then " + std::to_string(caps.bytes));
@@ -50,9 +50,8 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
   // Sort by where each bucket starts in `order` (buckets of different dtypes interleave).
   std::vector<size_t> position(params.size());
   for (size_t k = 0; k < order.size(); ++k) position[order[k]] = k;
-  std::stable_sort(buckets.begin(), buckets.end(), [&](const auto& a, const auto& b) {
-    return position[a.front()] < position[b.front()];
-  });
+  std::stable_sort(buckets.begin(), buckets.end(),
+                   [&](const auto& a, const auto& b) { return position[a.front()] < position[b.front()]; });
   return buckets;
 }
 

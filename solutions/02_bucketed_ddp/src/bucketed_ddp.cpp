@@ -56,8 +56,8 @@ at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
 void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   const auto groups = assign_buckets(params_, order, options_.caps);
   std::vector<Bucket> buckets;
-  std::map<c10::ScalarType, at::Tensor> buffers;   // dtype -> flat gradient buffer
-  std::vector<at::Tensor> slots(params_.size());   // parameter -> its gradient slot (what .grad() is)
+  std::map<c10::ScalarType, at::Tensor> buffers;  // dtype -> flat gradient buffer
+  std::vector<at::Tensor> slots(params_.size());  // parameter -> its gradient slot (what .grad() is)
   // BEGIN SOLUTION(02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
   // Offsets first: each bucket is a contiguous slice of its dtype's buffer, in launch order.
   std::map<c10::ScalarType, int64_t> total;
@@ -70,8 +70,7 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
     total[b.dtype] += b.numel;
     buckets.push_back(std::move(b));
   }
-  for (const auto& [dtype, numel] : total)
-    buffers[dtype] = at::zeros({numel}, params_.front().options().dtype(dtype));
+  for (const auto& [dtype, numel] : total) buffers[dtype] = at::zeros({numel}, params_.front().options().dtype(dtype));
   // Then each .grad becomes a view of its slot; the values it held so far move along (a rebuild can happen
   // between backward and the optimizer step).
   for (auto& b : buckets) {
@@ -185,13 +184,14 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
 void BucketedDDP::begin_backward() {
   if (readiness_->end_pending()) return;  // not the first gradient of this backward
   backward_order_.clear();
-  readiness_->expect_end_of_backward();   // finish_sync() runs once, when this backward ends
+  readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
 }
 
 void BucketedDDP::on_gradient_ready(size_t index) {
   if (!sync_enabled_) return;  // accumulating locally (no_sync): the last micro-batch synchronizes
   if (params_[index].grad().requires_grad())
-    throw std::invalid_argument("BucketedDDP: parameter '" + names_[index] + "' got a gradient that requires grad "
+    throw std::invalid_argument("BucketedDDP: parameter '" + names_[index] +
+                                "' got a gradient that requires grad "
                                 "(backward with create_graph = true); double backward is not supported");
   attach_grad(index);  // a backward that replaced .grad instead of adding into it: move it into its slot
   // BEGIN SOLUTION(02): once per backward queue finish_sync (begin_backward); record the ready order; mark ready

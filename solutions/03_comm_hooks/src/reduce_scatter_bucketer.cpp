@@ -91,8 +91,8 @@ ReduceScatterBucketer::Bucket& ReduceScatterBucketer::bucket_for(const at::Tenso
       return buckets_[i];
     }
   }
-  buckets_.push_back(Bucket{input.scalar_type(), input.device(), &comm,
-                            shard_capacity(input.scalar_type(), comm.size()), {}, 0, {}, {}});
+  buckets_.push_back(Bucket{
+      input.scalar_type(), input.device(), &comm, shard_capacity(input.scalar_type(), comm.size()), {}, 0, {}, {}});
   *index = buckets_.size() - 1;
   return buckets_.back();
 }
@@ -122,7 +122,8 @@ void ReduceScatterBucketer::launch(size_t index) {
   if (b.offset > 0) {
     // Row r's first `offset` columns are every input's chunk r: packed rank-major, they form the reduce-scatter
     // input (a partial bucket needs one copy to close the gaps between rows).
-    f.input = b.offset == b.capacity ? b.open.data.view({-1}) : b.open.data.narrow(1, 0, b.offset).contiguous().view({-1});
+    f.input =
+        b.offset == b.capacity ? b.open.data.view({-1}) : b.open.data.narrow(1, 0, b.offset).contiguous().view({-1});
     f.output = b.open.output.narrow(0, 0, b.offset);
     f.handle = b.comm->reduce_scatter(f.output, f.input, ReduceOp::kSum);
   } else {
@@ -160,9 +161,10 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
     fail(std::string("group '") + comm.name() + "' cannot reduce dtype " + c10::toString(dtype) +
          " (Gloo: float, double, half, bfloat16, long, int, char, byte)");
   if (input.numel() % world != 0)
-    fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " +
-         std::to_string(input.numel()) + " elements, not a multiple of " + std::to_string(world));
-  // BEGIN SOLUTION(03): send a large input at once, or copy a small one into its bucket (launching the bucket first when it is full)
+    fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " + std::to_string(input.numel()) +
+         " elements, not a multiple of " + std::to_string(world));
+  // BEGIN SOLUTION(03): send a large input at once, or copy a small one into its bucket (launching the bucket first
+  // when it is full)
   const int64_t shard = input.numel() / world;
   if (shard > shard_capacity(dtype, world)) {
     launch_large(input, shard, comm, std::move(callback));
@@ -180,7 +182,8 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
 }
 
 void ReduceScatterBucketer::flush() {
-  // BEGIN SOLUTION(03): launch the partial buckets, wait for every collective in launch order, then run the callbacks and recycle the buffers
+  // BEGIN SOLUTION(03): launch the partial buckets, wait for every collective in launch order, then run the callbacks
+  // and recycle the buffers
   for (size_t i = 0; i < buckets_.size(); ++i) launch(i);
   std::vector<InFlight> done = std::move(in_flight_);
   in_flight_.clear();
@@ -207,8 +210,8 @@ void ReduceScatterBucketer::teardown() {
   for (const auto& b : buckets_) open += b.queued.size();
   if (open > 0 || !in_flight_.empty())
     throw std::logic_error("ReduceScatterBucketer::teardown: " + std::to_string(pending_callbacks()) +
-                           " reduce-scatter(s) still pending (" + std::to_string(open) +
-                           " queued in open buckets, " + std::to_string(in_flight_.size()) +
+                           " reduce-scatter(s) still pending (" + std::to_string(open) + " queued in open buckets, " +
+                           std::to_string(in_flight_.size()) +
                            " collective(s) in flight); call flush() before teardown()");
   for (auto& b : buckets_) {
     free_storage(b.open.data);

@@ -87,7 +87,8 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     } else if (unit_by_name(item.key()) != unit_by_name(first_name[impl])) {
       // Registered inside a unit and outside it: the outside use would read the unit's freed storage.
       throw std::invalid_argument("FullyShardedModel: parameter '" + first_name[impl] + "' is also registered as '" +
-                                  item.key() + "', in another unit or the root; a unit's parameters are gathered "
+                                  item.key() +
+                                  "', in another unit or the root; a unit's parameters are gathered "
                                   "only while that unit runs. Keep a shared parameter in the root (the tiny GPT's "
                                   "tied embedding) or in one unit that all its uses run in");
     }
@@ -102,7 +103,8 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
   }
   if (!groups[root].empty()) FsdpUnit::validate("root", groups[root]);
   for (size_t u = 0; u < root; ++u) {
-    units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_));
+    units_.push_back(
+        std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_));
   }
   has_root_ = !groups[root].empty();
   if (has_root_)
@@ -216,7 +218,8 @@ void FullyShardedModel::on_gradient_ready(size_t g) {
   const auto [u, k] = owner_[g];
   const FsdpParam& fp = units_[u]->params()[k];
   if (fp.param.grad().requires_grad())
-    throw std::invalid_argument("FullyShardedModel: parameter '" + fp.name + "' got a gradient that requires grad "
+    throw std::invalid_argument("FullyShardedModel: parameter '" + fp.name +
+                                "' got a gradient that requires grad "
                                 "(backward with create_graph = true); double backward is not supported");
   readiness_->expect_end_of_backward();
   units_[u]->note_gradient(k);
@@ -288,7 +291,7 @@ void FullyShardedModel::end_of_backward() {
 void FullyShardedModel::settle_aborted_backward() {
   if (!readiness_->forget_pending_end()) return;
   for (auto& unit : units_) unit->discard_unsharded_gradients();  // first: reductions in flight land nowhere
-  wait_all(pending_);  // the aborted backward already reported its error
+  wait_all(pending_);                                             // the aborted backward already reported its error
   for (auto& unit : units_) unit->reshard();
   reset_iteration();
 }

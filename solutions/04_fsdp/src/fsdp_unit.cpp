@@ -50,8 +50,8 @@ const char* to_string(UnitState state) {
   return "?";
 }
 
-FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
-                   Communicator& comm, const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
+FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
+                   const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
     : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter) {
   validate(name_, params);
   const at::Tensor& first = params.front().second;
@@ -81,7 +81,8 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   torch::NoGradGuard no_grad;
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
   gathered_ = at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
-  // BEGIN SOLUTION(04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots
+  // BEGIN SOLUTION(04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered
+  // slots
   for (auto& fp : params_) {
     copy_in_shard(fp.spec, fp.param.detach(), rank, sharded_flat_.narrow(0, fp.shard_offset, fp.spec.padded_numel()));
     fp.sharded = alias_slot(sharded_flat_, fp.shard_offset, fp.spec.shard_sizes(rank));
@@ -310,7 +311,8 @@ std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
   at::Tensor full = at::empty({gathered_numel_}, sharded_flat_.options());
   copy_out(blocks, full);
   std::vector<at::Tensor> out;
-  for (const auto& fp : params_) out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());
+  for (const auto& fp : params_)
+    out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());
   return out;
 }
 

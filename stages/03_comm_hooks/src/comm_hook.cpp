@@ -45,11 +45,12 @@ void check_args(const char* hook, const DefaultState& state, const at::Tensor& g
   if (!grad.defined()) fail(hook, "expected a gradient tensor; got an undefined tensor");
   if (!c10::isFloatingType(grad.scalar_type()))
     fail(hook, "expected a floating-point gradient; got a " + describe(grad));
-  if (!grad.is_contiguous()) fail(hook, "expected a contiguous gradient; got sizes " + c10::str(grad.sizes()) +
-                                            " strides " + c10::str(grad.strides()));
+  if (!grad.is_contiguous())
+    fail(hook, "expected a contiguous gradient; got sizes " + c10::str(grad.sizes()) + " strides " +
+                   c10::str(grad.strides()));
   if (form == Form::kAllReduce && output.defined())
-    fail(hook, "all-reduce form: expected no output (the average is left in grad); got an output " +
-                   describe(output) + ". Use reduce_scatter_hook for a sharded output");
+    fail(hook, "all-reduce form: expected no output (the average is left in grad); got an output " + describe(output) +
+                   ". Use reduce_scatter_hook for a sharded output");
   if (form == Form::kReduceScatter && !output.defined())
     fail(hook, "reduce-scatter form: expected an output of grad.numel() / world_size = " +
                    std::to_string(grad.numel()) + " / " + std::to_string(state.world_size) +
@@ -133,10 +134,14 @@ const std::vector<std::string>& hook_names() {
 
 CommHook make_hook(const std::string& name, Communicator& comm) {
   HookFn fn = nullptr;
-  if (name == "allreduce") fn = &allreduce_hook;
-  else if (name == "reduce_scatter") fn = &reduce_scatter_hook;
-  else if (name == "fp16") fn = &fp16_compress_hook;
-  else if (name == "bf16") fn = &bf16_compress_hook;
+  if (name == "allreduce")
+    fn = &allreduce_hook;
+  else if (name == "reduce_scatter")
+    fn = &reduce_scatter_hook;
+  else if (name == "fp16")
+    fn = &fp16_compress_hook;
+  else if (name == "bf16")
+    fn = &bf16_compress_hook;
   if (fn == nullptr) {
     std::string list;
     for (const auto& n : hook_names()) list += (list.empty() ? "" : ", ") + n;

@@ -50,8 +50,8 @@ const char* to_string(UnitState state) {
   return "?";
 }
 
-FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params,
-                   Communicator& comm, const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
+FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
+                   const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
     : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter) {
   validate(name_, params);
   const at::Tensor& first = params.front().second;
@@ -81,8 +81,8 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   torch::NoGradGuard no_grad;
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
   gathered_ = at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
-  // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots
-  throw ::shardlab::NotImplemented("04", "copy this rank's shard of every parameter in; make the sharded parameters and the gathered slots");
+  // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered
+  throw ::shardlab::NotImplemented("04", "copy this rank's shard of every parameter in; make the sharded parameters and the gathered");
   meter_.allocate(MemoryKind::kParams, sharded_bytes());
 }
 
@@ -249,7 +249,8 @@ std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
   at::Tensor full = at::empty({gathered_numel_}, sharded_flat_.options());
   copy_out(blocks, full);
   std::vector<at::Tensor> out;
-  for (const auto& fp : params_) out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());
+  for (const auto& fp : params_)
+    out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());
   return out;
 }
 

@@ -13,8 +13,9 @@ namespace shardlab::fsdp {
 ShardSpec shard_spec(c10::IntArrayRef sizes, int world) {
   if (world < 1) throw std::invalid_argument("shard_spec: expected world >= 1; got " + std::to_string(world));
   if (sizes.empty())
-    throw std::invalid_argument("shard_spec: a scalar (0-d) parameter has no dim 0 to shard on; expected at least "
-                                "one dimension");
+    throw std::invalid_argument(
+        "shard_spec: a scalar (0-d) parameter has no dim 0 to shard on; expected at least "
+        "one dimension");
   for (int64_t s : sizes)
     if (s < 0) throw std::invalid_argument("shard_spec: negative size in " + c10::str(sizes));
   ShardSpec spec;
@@ -43,8 +44,8 @@ std::vector<int64_t> ShardSpec::shard_sizes(int rank) const {
 
 void copy_in_shard(const ShardSpec& spec, const at::Tensor& full, int rank, const at::Tensor& padded) {
   if (full.sizes() != c10::IntArrayRef(spec.sizes))
-    throw std::invalid_argument("copy_in_shard: expected a full tensor of sizes " + c10::str(c10::IntArrayRef(spec.sizes)) + "; got " +
-                                c10::str(full.sizes()));
+    throw std::invalid_argument("copy_in_shard: expected a full tensor of sizes " +
+                                c10::str(c10::IntArrayRef(spec.sizes)) + "; got " + c10::str(full.sizes()));
   if (padded.numel() != spec.padded_numel() || !padded.is_contiguous())
     throw std::invalid_argument("copy_in_shard: expected a contiguous padded shard of " +
                                 std::to_string(spec.padded_numel()) + " elements; got " +

@@ -19,17 +19,17 @@ namespace shardlab {
 /// (they differ when a fallback was used: e.g. reduce_scatter on Gloo 1.13 runs as an all_reduce of the whole
 /// input, bf16 is sent as f32).
 struct CollectiveRecord {
-  std::string op;               ///< requested: all_reduce, broadcast, all_gather, reduce_scatter
-  std::string wire_op;          ///< what the backend executed (equal to op unless a fallback was used)
-  c10::ScalarType dtype;        ///< dtype of the caller's tensor
-  c10::ScalarType wire_dtype;   ///< dtype that went on the wire
-  int64_t numel = 0;            ///< elements of the caller's input tensor
-  int64_t bytes = 0;            ///< bytes of the tensor handed to the backend by this rank (wire payload)
-  std::string group;            ///< name of the Communicator (process group) it ran on
-  std::string reduce;           ///< "sum", "avg" or "" for non-reductions
-  int64_t start_ns = 0;         ///< steady_clock time of submission
-  int64_t end_ns = 0;           ///< steady_clock time of completion (0 while pending); for CUDA tensors, when
-                                ///< wait() had synchronized with it (the host cannot see the GPU finish earlier)
+  std::string op;              ///< requested: all_reduce, broadcast, all_gather, reduce_scatter
+  std::string wire_op;         ///< what the backend executed (equal to op unless a fallback was used)
+  c10::ScalarType dtype;       ///< dtype of the caller's tensor
+  c10::ScalarType wire_dtype;  ///< dtype that went on the wire
+  int64_t numel = 0;           ///< elements of the caller's input tensor
+  int64_t bytes = 0;           ///< bytes of the tensor handed to the backend by this rank (wire payload)
+  std::string group;           ///< name of the Communicator (process group) it ran on
+  std::string reduce;          ///< "sum", "avg" or "" for non-reductions
+  int64_t start_ns = 0;        ///< steady_clock time of submission
+  int64_t end_ns = 0;          ///< steady_clock time of completion (0 while pending); for CUDA tensors, when
+                               ///< wait() had synchronized with it (the host cannot see the GPU finish earlier)
 };
 
 /// A span during which a rank's compute thread was blocked waiting for communication (e.g. the end-of-backward
@@ -76,7 +76,7 @@ struct CommTime {
 
 /// Measures communication inside the window [from_ns, to_ns): spans are clipped to it; pending collectives
 /// (end 0) are ignored.
-CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vector<WaitRecord>& waits,
-                   int64_t from_ns, int64_t to_ns);
+CommTime comm_time(const std::vector<CollectiveRecord>& records, const std::vector<WaitRecord>& waits, int64_t from_ns,
+                   int64_t to_ns);
 
 }  // namespace shardlab

@@ -7,9 +7,9 @@
 /// before anything is submitted, so a mistake is a C++ exception at the call, never an abort on Gloo's thread.
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
-/// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to what it has, correctly, and the CommRecorder says what was
-/// really sent. See Note [Fallbacks] in communicator.cpp. Gloo's missing reduce-scatter is built from c10d's
-/// point-to-point ops as a ring (Note [Ring reduce-scatter]).
+/// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to
+/// what it has, correctly, and the CommRecorder says what was really sent. See Note [Fallbacks] in communicator.cpp.
+/// Gloo's missing reduce-scatter is built from c10d's point-to-point ops as a ring (Note [Ring reduce-scatter]).
 
 #include "shardlab/common/comm_record.h"
 #include "shardlab/common/compat.h"
@@ -178,11 +178,11 @@ class Communicator {
   int rank_;
   int size_;
   ReduceScatterAlgorithm rs_algorithm_ = ReduceScatterAlgorithm::kAuto;
-  uint64_t ring_sequence_ = 0;                   // ring collectives so far: the tag of the next one
+  uint64_t ring_sequence_ = 0;  // ring collectives so far: the tag of the next one
   // Issuing work on a c10d backend is not thread-safe (Gloo numbers its ops unguarded): the calling thread and the
   // ring's worker issue under this lock. Waiting happens outside it.
   std::shared_ptr<std::mutex> issuing_ = std::make_shared<std::mutex>();
-  std::unique_ptr<detail::SerialWorker> ring_;   // runs the ring's steps off the calling thread; made on first use
+  std::unique_ptr<detail::SerialWorker> ring_;  // runs the ring's steps off the calling thread; made on first use
 };
 
 }  // namespace shardlab

@@ -12,9 +12,9 @@
 ///  - What c10d's Gloo backend can do itself (2.x gained bfloat16 and the flat collectives).
 
 #include <ATen/core/Tensor.h>
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/version.h>
 
 #include <chrono>
 #include <functional>

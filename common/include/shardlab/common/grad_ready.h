@@ -68,7 +68,7 @@ class GradientReadiness {
   Ready ready_;
   EndOfBackward end_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // a tensor keeps only a weak reference
-  std::shared_ptr<int> alive_ = std::make_shared<int>(0);            // callbacks do nothing once this is gone
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);             // callbacks do nothing once this is gone
   bool end_pending_ = false;
 };
 

@@ -18,19 +18,19 @@ namespace shardlab {
 
 /// What to launch and how long to wait.
 struct LaunchOptions {
-  int nproc = 1;                                   ///< number of ranks (processes), >= 1
-  std::string master_addr = "127.0.0.1";           ///< MASTER_ADDR given to every rank
-  int master_port = 0;                             ///< MASTER_PORT; 0 = pick a free port
-  std::chrono::milliseconds timeout{600'000};      ///< wall-clock limit for the whole job
+  int nproc = 1;                                               ///< number of ranks (processes), >= 1
+  std::string master_addr = "127.0.0.1";                       ///< MASTER_ADDR given to every rank
+  int master_port = 0;                                         ///< MASTER_PORT; 0 = pick a free port
+  std::chrono::milliseconds timeout{600'000};                  ///< wall-clock limit for the whole job
   std::vector<std::pair<std::string, std::string>> extra_env;  ///< more variables for every rank
 };
 
 /// How a launch ended.
 struct LaunchResult {
-  int exit_code = 0;        ///< 0 when every rank exited 0; else the failing rank's code: 128 + signal if it was
-                            ///< killed, 127 if the program cannot be executed, 124 on timeout
-  int failed_rank = -1;     ///< first rank that failed or hung, -1 when all succeeded
-  std::string message;      ///< human-readable reason, e.g. "rank 2 exited with code 1"
+  int exit_code = 0;     ///< 0 when every rank exited 0; else the failing rank's code: 128 + signal if it was
+                         ///< killed, 127 if the program cannot be executed, 124 on timeout
+  int failed_rank = -1;  ///< first rank that failed or hung, -1 when all succeeded
+  std::string message;   ///< human-readable reason, e.g. "rank 2 exited with code 1"
 };
 
 /// Receives each line a rank writes to stdout or stderr (without the newline).

@@ -28,10 +28,10 @@ class Mlp : public Model {
 
 /// Shape of a TinyGpt.
 struct GptConfig {
-  int64_t vocab = 65;      ///< number of distinct tokens (characters)
-  int64_t block = 32;      ///< context length T
-  int64_t dim = kDefaultGptDim;  ///< embedding width
-  int64_t heads = 2;       ///< attention heads (dim % heads == 0)
+  int64_t vocab = 65;                  ///< number of distinct tokens (characters)
+  int64_t block = 32;                  ///< context length T
+  int64_t dim = kDefaultGptDim;        ///< embedding width
+  int64_t heads = 2;                   ///< attention heads (dim % heads == 0)
   int64_t layers = kDefaultGptLayers;  ///< transformer blocks (each one unit)
 };
 

@@ -15,18 +15,18 @@ namespace shardlab {
 
 /// How to build a process group.
 struct GroupOptions {
-  BackendKind kind = BackendKind::kGloo;          ///< Gloo (CPU) or NCCL (CUDA, when compiled in)
-  std::chrono::milliseconds timeout{60'000};      ///< per collective and for the rendezvous
-  std::string hostname = "127.0.0.1";             ///< address Gloo binds to; "" = this host's default device
+  BackendKind kind = BackendKind::kGloo;      ///< Gloo (CPU) or NCCL (CUDA, when compiled in)
+  std::chrono::milliseconds timeout{60'000};  ///< per collective and for the rendezvous
+  std::string hostname = "127.0.0.1";         ///< address Gloo binds to; "" = this host's default device
 };
 
 /// The variables torchrun sets for each process.
 struct RankEnv {
-  int rank = 0;              ///< RANK: global rank
-  int world_size = 1;        ///< WORLD_SIZE
-  int local_rank = 0;        ///< LOCAL_RANK: rank on this machine (selects the GPU)
-  std::string master_addr;   ///< MASTER_ADDR: host of rank 0's TCPStore
-  int master_port = 0;       ///< MASTER_PORT
+  int rank = 0;             ///< RANK: global rank
+  int world_size = 1;       ///< WORLD_SIZE
+  int local_rank = 0;       ///< LOCAL_RANK: rank on this machine (selects the GPU)
+  std::string master_addr;  ///< MASTER_ADDR: host of rank 0's TCPStore
+  int master_port = 0;      ///< MASTER_PORT
 
   /// Reads and validates RANK, WORLD_SIZE, LOCAL_RANK (defaults to RANK), MASTER_ADDR, MASTER_PORT.
   /// @throws std::invalid_argument naming the variable, what was expected and what it held.

@@ -15,14 +15,14 @@ namespace shardlab {
 
 /// What to train and how; shared by the reference and every strategy.
 struct TrainConfig {
-  std::string model = "mlp";       ///< see model_names()
-  std::string optimizer = "sgd";   ///< "sgd" (momentum 0.9) or "adamw"
-  double lr = 0.05;                ///< learning rate
-  int steps = 5;                   ///< optimizer steps
-  int64_t global_batch = 8;        ///< examples per step over all ranks
-  uint64_t seed = 1;               ///< model and data seed
-  int micro_batches = 1;           ///< gradient-accumulation micro-batches per step (per rank)
-  std::string device = "cpu";      ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
+  std::string model = "mlp";           ///< see model_names()
+  std::string optimizer = "sgd";       ///< "sgd" (momentum 0.9) or "adamw"
+  double lr = 0.05;                    ///< learning rate
+  int steps = 5;                       ///< optimizer steps
+  int64_t global_batch = 8;            ///< examples per step over all ranks
+  uint64_t seed = 1;                   ///< model and data seed
+  int micro_batches = 1;               ///< gradient-accumulation micro-batches per step (per rank)
+  std::string device = "cpu";          ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
   int64_t layers = kDefaultGptLayers;  ///< transformer blocks of "tiny_gpt" (the other models ignore it)
   int64_t dim = kDefaultGptDim;        ///< width of "tiny_gpt" (the other models ignore it)
 };
@@ -45,12 +45,13 @@ std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model);
 
 /// Result of a reference run.
 struct ReferenceResult {
-  std::vector<double> losses;        ///< loss of each step (over the global batch)
-  std::vector<std::string> names;    ///< parameter names, registration order
-  std::vector<at::Tensor> params;    ///< final parameter values (all, trainable or not)
+  std::vector<double> losses;      ///< loss of each step (over the global batch)
+  std::vector<std::string> names;  ///< parameter names, registration order
+  std::vector<at::Tensor> params;  ///< final parameter values (all, trainable or not)
 };
 
-/// Trains `config.model` on one device (`config.device`; "cuda" means cuda:0) for `config.steps` steps on the whole global batch of each step.
+/// Trains `config.model` on one device (`config.device`; "cuda" means cuda:0) for `config.steps` steps on the whole
+/// global batch of each step.
 ReferenceResult train_reference(const TrainConfig& config);
 
 /// Largest |a[i] - b[i]| over all elements of all tensors. @throws std::invalid_argument on count/shape mismatch.

@@ -92,9 +92,9 @@ class NaiveDDP {
 
   std::shared_ptr<Model> module_;
   Communicator& comm_;
-  std::vector<at::Tensor> params_;                   // trainable parameters, registration order
-  std::vector<Handle> pending_;                      // all-reduces launched in this backward
-  std::unique_ptr<GradientReadiness> readiness_;     // the hooks; declared last, so they go first
+  std::vector<at::Tensor> params_;                // trainable parameters, registration order
+  std::vector<Handle> pending_;                   // all-reduces launched in this backward
+  std::unique_ptr<GradientReadiness> readiness_;  // the hooks; declared last, so they go first
   bool sync_enabled_ = true;
 };
 

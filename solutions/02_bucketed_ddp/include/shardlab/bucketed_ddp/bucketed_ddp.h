@@ -132,22 +132,22 @@ class BucketedDDP {
   Options options_;
   std::vector<at::Tensor> params_;  // trainable, registration order
   std::vector<std::string> names_;
-  std::map<c10::ScalarType, at::Tensor> buffers_;                     // one flat gradient buffer per dtype
+  std::map<c10::ScalarType, at::Tensor> buffers_;  // one flat gradient buffer per dtype
   std::vector<Bucket> buckets_;
-  std::vector<at::Tensor> slots_;      // parameter -> its gradient slot in the flat buffer
-  std::vector<size_t> bucket_of_;      // parameter -> bucket
-  std::vector<size_t> missing_;        // per bucket: parameters not ready yet in this backward
-  std::vector<bool> ready_;            // per parameter, this backward
-  std::vector<Handle> handles_;        // per bucket, this backward
-  size_t next_bucket_ = 0;             // next bucket to launch
-  std::vector<size_t> ready_order_;    // the last synchronized backward that completed
-  std::vector<size_t> backward_order_; // the synchronized backward running now
+  std::vector<at::Tensor> slots_;       // parameter -> its gradient slot in the flat buffer
+  std::vector<size_t> bucket_of_;       // parameter -> bucket
+  std::vector<size_t> missing_;         // per bucket: parameters not ready yet in this backward
+  std::vector<bool> ready_;             // per parameter, this backward
+  std::vector<Handle> handles_;         // per bucket, this backward
+  size_t next_bucket_ = 0;              // next bucket to launch
+  std::vector<size_t> ready_order_;     // the last synchronized backward that completed
+  std::vector<size_t> backward_order_;  // the synchronized backward running now
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
-  bool in_sync_ = false;               // a synchronized backward launched work that finish_sync has not settled
+  bool in_sync_ = false;  // a synchronized backward launched work that finish_sync has not settled
   bool sync_enabled_ = true;
   int64_t compute_end_ns_ = 0;
-  std::unique_ptr<GradientReadiness> readiness_;  // the hooks; declared last, so they go first
+  std::unique_ptr<GradientReadiness> readiness_;           // the hooks; declared last, so they go first
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // the unused-parameter hook on a loss does nothing once gone
 };
 

@@ -44,27 +44,27 @@ namespace shardlab::fsdp {
 
 /// How FullyShardedModel shards, gathers and reduces.
 struct Options {
-  bool reshard_after_forward = true;         ///< units: free after forward, gather again in backward
-  bool root_reshard_after_forward = false;   ///< the root: FSDP2 keeps it gathered until its backward
-  MixedPrecision mixed_precision;            ///< param / reduce dtypes (default: none, all original)
-  std::string hook = "reduce_scatter";       ///< stage 03 hook for gradients: reduce_scatter (average in the
-                                             ///< reduce dtype), fp16 or bf16 (compressed on the wire)
-  bool allow_unused_parameters = false;      ///< false: a trainable parameter without gradient is an error
+  bool reshard_after_forward = true;        ///< units: free after forward, gather again in backward
+  bool root_reshard_after_forward = false;  ///< the root: FSDP2 keeps it gathered until its backward
+  MixedPrecision mixed_precision;           ///< param / reduce dtypes (default: none, all original)
+  std::string hook = "reduce_scatter";      ///< stage 03 hook for gradients: reduce_scatter (average in the
+                                            ///< reduce dtype), fp16 or bf16 (compressed on the wire)
+  bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
 };
 
 /// The memory a step should need per rank, from the layout (what MemoryStats is compared with).
 struct MemoryTheory {
-  int64_t sharded_param_bytes = 0;  ///< Σψ/N: every unit's padded shards
-  int64_t largest_unit_bytes = 0;   ///< the largest non-root unit gathered (param dtype)
-  int64_t all_units_bytes = 0;      ///< every non-root unit gathered at once (raf false)
-  int64_t root_bytes = 0;           ///< the root gathered
-  int64_t sharded_grad_bytes = 0;   ///< the sharded gradients of the trainable parameters
+  int64_t sharded_param_bytes = 0;      ///< Σψ/N: every unit's padded shards
+  int64_t largest_unit_bytes = 0;       ///< the largest non-root unit gathered (param dtype)
+  int64_t all_units_bytes = 0;          ///< every non-root unit gathered at once (raf false)
+  int64_t root_bytes = 0;               ///< the root gathered
+  int64_t sharded_grad_bytes = 0;       ///< the sharded gradients of the trainable parameters
   int64_t largest_unit_grad_bytes = 0;  ///< the largest unit's unsharded gradients (param dtype)
-  int64_t peak_param_bytes = 0;     ///< the parameter peak of a step with the options used: Σψ/N + the largest
-                                    ///< unit (raf true) or every unit (raf false) + the root when it stays gathered
-  int64_t peak_grad_bytes = 0;      ///< the gradient peak: sharded grads + the root's unsharded grads (alive
-                                    ///< through the whole backward) + the largest unit's unsharded grads
-  int64_t largest_reduce_bytes = 0; ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
+  int64_t peak_param_bytes = 0;         ///< the parameter peak of a step with the options used: Σψ/N + the largest
+                                        ///< unit (raf true) or every unit (raf false) + the root when it stays gathered
+  int64_t peak_grad_bytes = 0;          ///< the gradient peak: sharded grads + the root's unsharded grads (alive
+                                        ///< through the whole backward) + the largest unit's unsharded grads
+  int64_t largest_reduce_bytes = 0;     ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
 };
 
 /// Wraps a Model so that N ranks train it sharded, exactly like one device on the union of their batches.
@@ -148,22 +148,22 @@ class FullyShardedModel {
   MemoryMeter meter_;
   std::vector<std::unique_ptr<FsdpUnit>> units_;  // model units in order, then the root
   bool has_root_ = false;
-  std::vector<UnitForward> inner_forward_;         // each model unit's slot before we took it
-  std::vector<at::Tensor> watched_;                // every trainable gathered parameter (GradientReadiness indices)
-  std::vector<std::pair<size_t, size_t>> owner_;   // watched index -> (unit, index in the unit's params())
-  std::vector<std::pair<size_t, size_t>> order_;   // registration order -> (unit, index in the unit)
+  std::vector<UnitForward> inner_forward_;        // each model unit's slot before we took it
+  std::vector<at::Tensor> watched_;               // every trainable gathered parameter (GradientReadiness indices)
+  std::vector<std::pair<size_t, size_t>> owner_;  // watched index -> (unit, index in the unit's params())
+  std::vector<std::pair<size_t, size_t>> order_;  // registration order -> (unit, index in the unit)
 
   // One iteration (forward + backward); reset by reset_iteration().
-  std::vector<size_t> forward_order_;   // units in the order their forward ran
-  std::vector<size_t> reduce_order_;    // the order reduce-scatters are launched in (reverse forward, then the rest)
-  size_t next_reduce_ = 0;              // next position of reduce_order_ to launch
-  std::vector<size_t> missing_;         // per unit: trainable parameters whose gradient has not come
-  std::vector<bool> ready_;             // per watched parameter
-  std::vector<Handle> pending_;         // reduce-scatters in flight
-  std::vector<std::string> unused_;     // trainable parameters that got no gradient in this backward
+  std::vector<size_t> forward_order_;  // units in the order their forward ran
+  std::vector<size_t> reduce_order_;   // the order reduce-scatters are launched in (reverse forward, then the rest)
+  size_t next_reduce_ = 0;             // next position of reduce_order_ to launch
+  std::vector<size_t> missing_;        // per unit: trainable parameters whose gradient has not come
+  std::vector<bool> ready_;            // per watched parameter
+  std::vector<Handle> pending_;        // reduce-scatters in flight
+  std::vector<std::string> unused_;    // trainable parameters that got no gradient in this backward
   bool sync_enabled_ = true;
 
-  std::unique_ptr<GradientReadiness> readiness_;  // the hooks; declared last, so they go first
+  std::unique_ptr<GradientReadiness> readiness_;           // the hooks; declared last, so they go first
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // output hooks do nothing once this is gone
 };
 

@@ -32,7 +32,7 @@ struct BucketCaps {
 /// @param caps the byte caps; both must be positive.
 /// @return for each bucket, the indices (into `params`) of its parameters.
 /// @throws std::invalid_argument when `order` is not a permutation or a cap is not positive.
-std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
-                                                const std::vector<size_t>& order, BucketCaps caps);
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
+                                                BucketCaps caps);
 
 }  // namespace shardlab::bucketed_ddp

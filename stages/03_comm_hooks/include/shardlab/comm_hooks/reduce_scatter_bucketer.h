@@ -113,10 +113,10 @@ class ReduceScatterBucketer {
   // A launched collective: its handle, what it writes to (kept alive) and the callbacks to run after it.
   struct InFlight {
     Handle handle;
-    Buffer buffer;          // bucket buffer to recycle (undefined data for a large input)
-    size_t bucket = 0;      // index into buckets_ when buffer.data is defined
-    at::Tensor input;       // the packed or large input, kept alive while in flight
-    at::Tensor output;      // the reduced chunks, Pending offsets index into it
+    Buffer buffer;      // bucket buffer to recycle (undefined data for a large input)
+    size_t bucket = 0;  // index into buckets_ when buffer.data is defined
+    at::Tensor input;   // the packed or large input, kept alive while in flight
+    at::Tensor output;  // the reduced chunks, Pending offsets index into it
     std::vector<Pending> callbacks;
   };
 

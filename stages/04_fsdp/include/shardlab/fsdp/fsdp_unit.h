@@ -153,18 +153,18 @@ class FsdpUnit {
   comm_hooks::CommHook hook_;
   MemoryMeter& meter_;
   std::vector<FsdpParam> params_;
-  int64_t shard_numel_ = 0;       // Σ padded shard numel: the sharded buffer, one block of the all-gather
-  int64_t gathered_numel_ = 0;    // Σ numel: the gathered buffer
-  int64_t grad_row_numel_ = 0;    // Σ padded shard numel of the trainable parameters: one reduce-scatter row
-  at::Tensor sharded_flat_;       // [shard_numel_], original dtype
-  at::Tensor gathered_;           // [gathered_numel_], param dtype; 0 bytes while sharded
-  at::Tensor all_gather_out_;     // [S * shard_numel_], param dtype; only while unsharding
-  at::Tensor all_gather_in_;      // the cast shards (mixed precision only); only while unsharding
-  Handle all_gather_;             // pending while unsharding
+  int64_t shard_numel_ = 0;              // Σ padded shard numel: the sharded buffer, one block of the all-gather
+  int64_t gathered_numel_ = 0;           // Σ numel: the gathered buffer
+  int64_t grad_row_numel_ = 0;           // Σ padded shard numel of the trainable parameters: one reduce-scatter row
+  at::Tensor sharded_flat_;              // [shard_numel_], original dtype
+  at::Tensor gathered_;                  // [gathered_numel_], param dtype; 0 bytes while sharded
+  at::Tensor all_gather_out_;            // [S * shard_numel_], param dtype; only while unsharding
+  at::Tensor all_gather_in_;             // the cast shards (mixed precision only); only while unsharding
+  Handle all_gather_;                    // pending while unsharding
   std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
   std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
   std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
-  std::vector<int64_t> sharded_grad_bytes_;                     // ... and its bytes
+  std::vector<int64_t> sharded_grad_bytes_;                    // ... and its bytes
   UnitState state_ = UnitState::kSharded;
   uint64_t generation_ = 0;  // bumped by discard_unsharded_gradients: older reductions are dropped on arrival
 };
