@@ -87,7 +87,7 @@ Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> fini
 // assignment refuses a joinable thread (which terminates). Nothing is moved in that case, so the pending handle can
 // still be waited for. Handles that are done (waited for, moved from, default) are overwritten freely, which is
 // all that containers do when they move elements around.
-Handle& Handle::operator=(Handle&& other) {
+Handle& Handle::operator=(Handle&& other) {  // NOLINT(performance-noexcept-move-constructor): see the Note
   if (this == &other) return *this;
   if (!done_)
     throw std::logic_error("Handle: move-assigning onto a pending " + what_ +

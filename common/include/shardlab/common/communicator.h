@@ -77,7 +77,7 @@ class Handle {
   /// (waited for, moved from, or default-constructed): see Note [Overwriting a pending Handle] in communicator.cpp.
   /// @throws std::logic_error naming the pending op when this handle is still pending; both handles are then left
   ///         as they were.
-  Handle& operator=(Handle&& other);
+  Handle& operator=(Handle&& other);  // NOLINT(performance-noexcept-move-constructor): it refuses by throwing
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
   /// Does not wait: a pending handle's finish step goes with it (owners wait first, e.g. with wait_all).
