@@ -85,8 +85,9 @@ Handle::Handle(c10::intrusive_ptr<compat::Work> work, std::function<void()> fini
 // with nothing to show for it (an AVG left as a SUM). The assignment could wait for it instead, but that hides a
 // blocking call (and its errors) inside an `=`. So it refuses: std::logic_error naming the op, like std::thread's
 // assignment refuses a joinable thread (which terminates). Nothing is moved in that case, so the pending handle can
-// still be waited for. Handles that are done (waited for, moved from, default) are overwritten freely, which is
-// all that containers do when they move elements around.
+// still be waited for. Handles that are done (waited for, moved from, default) are overwritten freely. Containers
+// move-construct when they grow (fine); erase or remove_if move-assign onto the erased element, so erase a
+// handle only once it is done.
 Handle& Handle::operator=(Handle&& other) {  // NOLINT(performance-noexcept-move-constructor): see the Note
   if (this == &other) return *this;
   if (!done_)

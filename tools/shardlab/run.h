@@ -37,7 +37,8 @@ struct RunReport {
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into
-/// options.result_dir. Rank 0 prints "@@progress k K loss" lines the driver turns into a progress bar.
+/// options.result_dir. Every rank prints "@@progress k K loss" lines; the driver draws their mean (the global batch's
+/// loss) as a progress bar.
 int run_worker(const RunOptions& options);
 
 /// Launches the ranks, runs the reference, and assembles the report. @throws std::runtime_error when a rank fails.

@@ -85,19 +85,19 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
     }
   }
   // END SOLUTION
-  // Whatever built the layout, each parameter's slot must be a view of its bucket's buffer that can stand for its
-  // gradient, and the buckets must cover the buffers once (the reduction reads nothing else).
+  // Whatever built the layout (stage 02's task), each parameter's slot must be able to stand for its gradient, and
+  // the buckets' sizes must add up to their buffer's.
   for (size_t i = 0; i < params_.size(); ++i)
-    SHARDLAB_INTERNAL_ASSERT(slots[i].defined() && slots[i].device() == params_[i].device() &&
-                                 slots[i].scalar_type() == params_[i].scalar_type() &&
-                                 slots[i].sizes() == params_[i].sizes(),
-                             "parameter '" + names_[i] + "' has no gradient slot of its device, dtype and shape");
+    SHARDLAB_INTERNAL_ASSERT(
+        slots[i].defined() && slots[i].device() == params_[i].device() &&
+            slots[i].scalar_type() == params_[i].scalar_type() && slots[i].sizes() == params_[i].sizes(),
+        "lay_out (stage 02): parameter '" + names_[i] + "' has no gradient slot of its device, dtype and shape");
   for (const auto& [dtype, buffer] : buffers) {
     int64_t covered = 0;
     for (const auto& b : buckets) covered += b.dtype == dtype ? b.numel : 0;
-    SHARDLAB_INTERNAL_ASSERT(covered == buffer.numel(), "the " + std::string(c10::toString(dtype)) + " buffer has " +
-                                                            std::to_string(buffer.numel()) + " elements, its buckets " +
-                                                            std::to_string(covered));
+    SHARDLAB_INTERNAL_ASSERT(covered == buffer.numel(), "lay_out (stage 02): the " + std::string(c10::toString(dtype)) +
+                                                            " buffer has " + std::to_string(buffer.numel()) +
+                                                            " elements, its buckets " + std::to_string(covered));
   }
   buffers_ = std::move(buffers);
   buckets_ = std::move(buckets);

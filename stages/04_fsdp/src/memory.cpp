@@ -27,7 +27,8 @@ void MemoryMeter::sample() {
 
 void MemoryMeter::release(MemoryKind kind, int64_t bytes) {
   int64_t& held = kind == MemoryKind::kParams ? stats_.param_bytes : stats_.grad_bytes;
-  SHARDLAB_INTERNAL_ASSERT(bytes <= held, "MemoryMeter: releasing " + std::to_string(bytes) + " bytes of " +
+  SHARDLAB_INTERNAL_ASSERT(bytes <= held, "MemoryMeter (driven by stage 04's FsdpUnit): releasing " +
+                                              std::to_string(bytes) + " bytes of " +
                                               (kind == MemoryKind::kParams ? "parameters" : "gradients") +
                                               " while only " + std::to_string(held) + " are held");
   held -= bytes;

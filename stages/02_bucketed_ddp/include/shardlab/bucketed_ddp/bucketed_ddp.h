@@ -77,7 +77,8 @@ class BucketedDDP {
  public:
   /// Broadcasts the model's state from rank 0, lays gradients out in buckets (reverse registration order) and
   /// installs one post-accumulate hook per trainable parameter.
-  /// @throws std::invalid_argument on a null model or non-positive caps.
+  /// @throws std::invalid_argument on a null model, non-positive caps, a model without trainable parameters, or
+  ///         trainable parameters on more than one device.
   BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options = {});
   ~BucketedDDP();
   BucketedDDP(const BucketedDDP&) = delete;
