@@ -412,6 +412,7 @@ TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
   std::cout << "timeout message: " << message << "\n";
   EXPECT_NE(message.find("all_reduce"), std::string::npos);
   EXPECT_NE(message.find("rank 0"), std::string::npos);
+  EXPECT_NE(message.find("timed out (limit 1500 ms)"), std::string::npos) << "a timeout must say it was one";
 }
 
 TEST(Collectives, RunRanksNamesTheFailingRank) {
