@@ -360,12 +360,12 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
     auto work = issue([&] { return backend_->_reduce_scatter_base(out, in, opts); });
     return submit(std::move(work), idx, nullptr, "reduce_scatter", input.is_cpu());
   }
-  const bool ring = rs_algorithm_ == ReduceScatterAlgorithm::kRing ||
-                    (rs_algorithm_ == ReduceScatterAlgorithm::kAuto &&
-                     ring_reduce_scatter_pays(size_, static_cast<int64_t>(input.numel() * input.element_size())));
-  if (input.is_cpu() && ring) return ring_reduce_scatter(output, input, op);
   const int64_t bytes = static_cast<int64_t>(input.numel() * input.element_size());
-  if (ring_reduce_scatter_pays(size_, bytes))
+  const bool ring_pays = ring_reduce_scatter_pays(size_, bytes);
+  const bool ring =
+      rs_algorithm_ == ReduceScatterAlgorithm::kRing || (rs_algorithm_ == ReduceScatterAlgorithm::kAuto && ring_pays);
+  if (input.is_cpu() && ring) return ring_reduce_scatter(output, input, op);
+  if (ring_pays)
     warn_once(
         "reduce_scatter sent as all_reduce",
         "reduce_scatter of " + std::to_string(bytes) + " bytes at " + std::to_string(size_) +
