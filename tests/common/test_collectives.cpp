@@ -27,7 +27,9 @@ struct GroupCase {
 };
 
 std::ostream& operator<<(std::ostream& os, const GroupCase& g) {
-  return os << (g.kind == BackendKind::kNccl ? "nccl" : "gloo") << "_w" << g.world;
+  // The name says why an NCCL case is skipped on a machine without one: ctest prints only "Skipped".
+  return os << (g.kind == BackendKind::kNccl ? "nccl" : "gloo") << "_w" << g.world
+            << (g.kind == BackendKind::kNccl ? "_needs_a_gpu" : "");
 }
 
 class CollectivesByWorld : public ::testing::TestWithParam<GroupCase> {

@@ -40,7 +40,7 @@ TEST(Stream, CpuStreamsAndEventsAreNoOps) {
 
 // Work on a side stream, published to the current stream through an event: the current stream must see the side
 // stream's result. Without the wait, the read could run before the (long) side-stream work has finished.
-TEST(Stream, CudaSideStreamIsOrderedByEvent) {
+TEST(Stream, NeedsAGpuCudaSideStreamIsOrderedByEvent) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the CPU no-op path is covered above";
   const c10::Device gpu(c10::kCUDA, 0);
   Stream current = Stream::current(gpu);

@@ -72,7 +72,7 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
 }
 
 // World size 1 on NCCL (one GPU can host only one NCCL rank): the same training, CUDA tensors, NCCL collectives.
-TEST(NaiveDDP, NcclWorldOneMatchesSingleDevice) {
+TEST(NeedsAGpu, NaiveDdpOnNcclWorldOneMatchesSingleDevice) {
   if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
   TrainConfig c;
   c.model = "tiny_gpt";

@@ -2,6 +2,7 @@
 // per bucket, the first of them started while backward is still running, and buckets rebuilt from the real
 // gradient-ready order.
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
@@ -110,7 +111,7 @@ INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_c
 });
 
 // World size 1 on NCCL (one GPU hosts one NCCL rank): CUDA tensors, the rebuild broadcast included.
-TEST(BucketedDDP, NcclWorldOneMatchesSingleDevice) {
+TEST(NeedsAGpu, BucketedDdpOnNcclWorldOneMatchesSingleDevice) {
   if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
   TrainConfig c;
   c.model = "tiny_gpt";
@@ -171,6 +172,81 @@ TEST(AssignBuckets, RejectsBadOrdersAndCaps) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("positive"), std::string::npos) << e.what();
   }
+}
+
+// Task 2: every rank leaves with rank 0's order, in one broadcast of one int64 per entry.
+TEST(AgreeOnOrder, EveryRankGetsRankZerosOrderInOneBroadcast) {
+  const int world = 3;
+  std::vector<std::vector<size_t>> agreed(world);
+  std::vector<std::vector<CollectiveRecord>> recs(world);
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        std::vector<size_t> mine(5);
+        std::iota(mine.begin(), mine.end(), size_t{0});
+        std::rotate(mine.begin(), mine.begin() + comm.rank() + 1, mine.end());  // a different order on every rank
+        agreed[comm.rank()] = agree_on_order(comm, mine, test_support::device());
+        recs[comm.rank()] = comm.recorder().since(0);
+      },
+      test_group());
+  const std::vector<size_t> rank0{1, 2, 3, 4, 0};
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(agreed[r], rank0) << "rank " << r;
+    ASSERT_EQ(recs[r].size(), 1u) << "rank " << r << ": one collective";
+    EXPECT_EQ(recs[r][0].op, "broadcast");
+    EXPECT_EQ(recs[r][0].numel, 5);
+    EXPECT_EQ(recs[r][0].bytes, 5 * 8) << "int64 entries";
+  }
+  std::cout << "every rank got rank 0's order 1 2 3 4 0 in " << recs[1].size() << " broadcast of " << recs[1][0].bytes
+            << " bytes\n";
+}
+
+// Task 3: the layout at construction. Every trainable parameter's .grad() is its slot in the flat buffer of its
+// dtype (same storage, at the offset its bucket and its place in the bucket give), the bucket slices tile the
+// buffer in launch order, the buffer lives on the parameters' device, and a gradient that existed before keeps its
+// values. No backward runs here: this needs only tasks 1 and 3.
+TEST(BucketedDDP, LayoutGivesEveryGradientItsSlotInItsBucketsSlice) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 6, test_support::device());
+        const auto params = trainable_parameters(*model);
+        params[1].mutable_grad() = at::full_like(params[1], 0.25);  // a gradient from before the wrap
+        Options options;
+        options.caps = {2048, 8192};
+        BucketedDDP ddp(model, comm, options);
+        ASSERT_GT(ddp.buckets().size(), 2u);
+        const at::Tensor buffer = ddp.grad_buffer(at::kFloat);
+        ASSERT_TRUE(buffer.defined());
+        EXPECT_EQ(buffer.device(), params[0].device()) << "the buffer lives on the parameters' device";
+        int64_t offset = 0;
+        std::vector<int> seen(ddp.parameters().size(), 0);
+        for (const auto& b : ddp.buckets()) {
+          EXPECT_EQ(b.offset, offset) << "buckets tile the buffer in launch order";
+          EXPECT_EQ(b.flat.data_ptr(), static_cast<char*>(buffer.data_ptr()) + offset * 4);
+          EXPECT_EQ(b.flat.numel(), b.numel);
+          int64_t at = b.offset;
+          for (size_t i : b.params) {
+            const at::Tensor& g = ddp.parameters()[i].grad();
+            ASSERT_TRUE(g.defined()) << ddp.parameter_names()[i];
+            EXPECT_EQ(g.data_ptr(), static_cast<char*>(buffer.data_ptr()) + at * 4) << ddp.parameter_names()[i];
+            EXPECT_EQ(g.sizes(), ddp.parameters()[i].sizes());
+            EXPECT_FALSE(g.is_view()) << "an autograd view cannot be detached in place by zero_grad";
+            at += ddp.parameters()[i].numel();
+            ++seen[i];
+          }
+          offset += b.numel;
+        }
+        EXPECT_EQ(offset, buffer.numel());
+        for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], 1) << ddp.parameter_names()[i];
+        EXPECT_EQ(params[1].grad().min().item<float>(), 0.25f) << "an existing gradient keeps its values";
+        EXPECT_EQ(params[1].grad().max().item<float>(), 0.25f);
+        EXPECT_EQ(buffer.abs().sum().item<double>(), 0.25 * params[1].numel()) << "the rest starts at zero";
+        if (comm.rank() == 0)
+          std::cout << ddp.buckets().size() << " buckets tile a buffer of " << buffer.numel() << " floats on "
+                    << buffer.device() << "\n";
+      },
+      test_group());
 }
 
 // Structure: per step exactly one all-reduce (average) per bucket, of the bucket's size, in bucket order; the

@@ -18,7 +18,10 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
 NaiveDDP::~NaiveDDP() {
   // Collectives still in flight write into tensors we do not own any more: finish them first (a destructor must not
   // throw; backward reported, or will report, any error).
-  wait_all(pending_);
+  try {
+    wait_pending();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the failure was, or will be, reported by backward
+  }
 }
 
 at::Tensor NaiveDDP::loss(const Batch& batch) {
@@ -27,8 +30,9 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
 }
 
 void broadcast_state(Model& module, Communicator& comm) {
+  // All replicas must start identical: every parameter (frozen ones too) and every buffer take rank 0's values.
   // BEGIN SOLUTION(01): broadcast every parameter and buffer from rank 0
-  // All replicas must start identical. Launch every broadcast, then wait for all of them (they overlap).
+  // Launch every broadcast, then wait for all of them (they overlap).
   std::vector<Handle> handles;
   for (const auto& p : module.parameters(/*recurse=*/true)) handles.push_back(comm.broadcast(p.detach(), 0));
   for (const auto& b : module.buffers(/*recurse=*/true)) handles.push_back(comm.broadcast(b.detach(), 0));
@@ -37,7 +41,7 @@ void broadcast_state(Model& module, Communicator& comm) {
 }
 
 void NaiveDDP::on_gradient_ready(size_t index) {
-  // BEGIN SOLUTION(01): launch an asynchronous average of this parameter's gradient
+  // BEGIN SOLUTION(01): outside no_sync, start averaging this parameter's gradient; never wait here
   if (!sync_enabled_) return;            // accumulating locally: the last micro-batch synchronizes
   readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
   // Reduce the gradient (not the parameter), in place, averaged over ranks; backward keeps running meanwhile.
@@ -45,21 +49,22 @@ void NaiveDDP::on_gradient_ready(size_t index) {
   // END SOLUTION
 }
 
-void NaiveDDP::finish_sync() {
-  const int64_t start = now_ns();
-  // BEGIN SOLUTION(01): wait for every all-reduce launched during this backward
+void NaiveDDP::wait_pending() {
+  // BEGIN SOLUTION(01): wait for every average started and not waited for yet
   std::vector<Handle> handles = std::move(pending_);
   pending_.clear();
-  for (auto& h : handles) h.wait();
+  // Wait for all even after a failure: a collective still in flight writes into its gradient.
+  if (std::exception_ptr error = wait_all(handles)) std::rethrow_exception(error);
   // END SOLUTION
+}
+
+void NaiveDDP::finish_sync() {
+  const int64_t start = now_ns();
+  wait_pending();
   comm_.recorder().record_wait("ddp sync", start, now_ns());  // exposed communication, for traces and benchmarks
 }
 
-NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) {
-  // BEGIN SOLUTION(01): turn gradient synchronization off for this scope
-  sync_enabled_ = false;
-  // END SOLUTION
-}
+NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) { sync_enabled_ = false; }
 
 NoSync::~NoSync() { sync_enabled_ = previous_; }
 

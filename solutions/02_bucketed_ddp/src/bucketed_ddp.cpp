@@ -1,5 +1,6 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 
+#include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
@@ -45,7 +46,10 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
 BucketedDDP::~BucketedDDP() {
   // Collectives still in flight write into buffers we are about to free: finish them first (a destructor must not
   // throw; backward reported, or will report, any error).
-  wait_all(handles_);
+  try {
+    wait_launched();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the failure was, or will be, reported by backward
+  }
 }
 
 at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
@@ -58,7 +62,10 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   std::vector<Bucket> buckets;
   std::map<c10::ScalarType, at::Tensor> buffers;  // dtype -> flat gradient buffer
   std::vector<at::Tensor> slots(params_.size());  // parameter -> its gradient slot (what .grad() is)
-  // BEGIN SOLUTION(02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
+  // The buffers live on the parameters' device (the constructor checked there is one): a bucket is reduced where
+  // its gradients are, with no copy. A gradient that exists already (a rebuild runs at the next forward, after the
+  // optimizer may have used, or the user may have kept, the gradients) keeps its values in its new slot.
+  // BEGIN SOLUTION(02): lay the gradients out in one flat buffer per dtype, bucket after bucket, each .grad its slot
   // Offsets first: each bucket is a contiguous slice of its dtype's buffer, in launch order.
   std::map<c10::ScalarType, int64_t> total;
   for (const auto& group : groups) {
@@ -71,8 +78,7 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
     buckets.push_back(std::move(b));
   }
   for (const auto& [dtype, numel] : total) buffers[dtype] = at::zeros({numel}, params_.front().options().dtype(dtype));
-  // Then each .grad becomes a view of its slot; the values it held so far move along (a rebuild can happen
-  // between backward and the optimizer step).
+  // Then each .grad becomes its slot (alias_slot: same storage, not an autograd view); its values move along.
   for (auto& b : buckets) {
     b.flat = buffers[b.dtype].narrow(0, b.offset, b.numel);
     int64_t at = 0;
@@ -108,16 +114,6 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   reset_iteration();
 }
 
-void BucketedDDP::reset_iteration() {
-  handles_.clear();
-  handles_.resize(buckets_.size());
-  missing_.resize(buckets_.size());
-  for (size_t b = 0; b < buckets_.size(); ++b) missing_[b] = buckets_[b].params.size();
-  ready_.assign(params_.size(), false);
-  next_bucket_ = 0;
-  in_sync_ = false;
-}
-
 void BucketedDDP::attach_grads() {
   for (size_t i = 0; i < params_.size(); ++i) attach_grad(i);
 }
@@ -139,9 +135,9 @@ void BucketedDDP::attach_grad(size_t i) {
 at::Tensor BucketedDDP::loss(const Batch& batch) {
   const bool aborted = readiness_->forget_pending_end();  // its end-of-backward callback never ran
   if (in_sync_ || aborted) {
-    // The last backward ended early (an exception), or a forward ran without backward: wait for what was
-    // launched and start afresh.
-    for (auto& h : handles_) h.wait();
+    // The last backward was cut short (see in_sync_): wait for what it launched and start afresh.
+    in_sync_ = false;
+    wait_launched();
     reset_iteration();
   }
   // A forward without grad (evaluation, maybe on one rank only) must not run the rebuild's collective.
@@ -176,14 +172,14 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
   loss.register_hook([this, alive, unused](const at::Tensor&) {
     if (alive.expired() || !sync_enabled_) return;
     begin_backward();
-    for (size_t i : unused)
-      if (!ready_[i]) mark_ready(i);
+    for (size_t i : unused) mark_ready(i);  // the loss's hook runs first in backward: none of them is marked yet
   });
 }
 
 void BucketedDDP::begin_backward() {
   if (readiness_->end_pending()) return;  // not the first gradient of this backward
   backward_order_.clear();
+  in_sync_ = true;
   readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
 }
 
@@ -194,32 +190,9 @@ void BucketedDDP::on_gradient_ready(size_t index) {
                                 "' got a gradient that requires grad "
                                 "(backward with create_graph = true); double backward is not supported");
   attach_grad(index);  // a backward that replaced .grad instead of adding into it: move it into its slot
-  // BEGIN SOLUTION(02): once per backward queue finish_sync (begin_backward); record the ready order; mark ready
-  begin_backward();
+  begin_backward();    // on the first gradient of a backward: queue finish_sync
   backward_order_.push_back(index);
   mark_ready(index);
-  // END SOLUTION
-}
-
-void BucketedDDP::mark_ready(size_t index) {
-  if (ready_[index])
-    throw std::logic_error("BucketedDDP: parameter '" + names_[index] +
-                           "' became ready twice in one synchronized backward; call loss() before each backward "
-                           "and run extra backward passes inside no_sync()");
-  // BEGIN SOLUTION(02): count the parameter off its bucket; launch buckets that are now complete
-  ready_[index] = true;
-  in_sync_ = true;
-  if (--missing_[bucket_of_[index]] == 0) launch_ready_buckets();
-  // END SOLUTION
-}
-
-void BucketedDDP::launch_ready_buckets() {
-  // BEGIN SOLUTION(02): launch complete buckets strictly in order, so collectives match across ranks
-  while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0) {
-    handles_[next_bucket_] = reduce(buckets_[next_bucket_]);
-    ++next_bucket_;
-  }
-  // END SOLUTION
 }
 
 Handle BucketedDDP::reduce(const Bucket& bucket) {
@@ -229,19 +202,13 @@ Handle BucketedDDP::reduce(const Bucket& bucket) {
 
 void BucketedDDP::finish_sync() {
   compute_end_ns_ = now_ns();
-  std::vector<size_t> unused;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (!ready_[i]) unused.push_back(i);
   const int64_t wait_start = now_ns();
-  // Unused parameters are reduced as they are even when they are an error below: another rank may have had every
-  // gradient and be waiting for these buckets, and every rank must issue the same collectives to stay paired.
-  // BEGIN SOLUTION(02): reduce the unused parameters as they are, then wait for every bucket
-  for (size_t i : unused) mark_ready(i);
-  for (auto& h : handles_) h.wait();
-  // END SOLUTION
+  const std::vector<size_t> unused = finish_backward();
+  in_sync_ = false;
   comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
+  // A parameter without gradient is an error only now: finish_backward reduced its slot as it was, because another
+  // rank may have had every gradient and be waiting for that bucket.
   if (!unused.empty() && !options_.find_unused_parameters) {
-    reset_iteration();
     std::string list;
     for (size_t i : unused) list += (list.empty() ? "'" : ", '") + names_[i] + "'";
     throw std::runtime_error(
@@ -258,26 +225,61 @@ void BucketedDDP::finish_sync() {
     if (!listed[i]) backward_order_.push_back(i);
   ready_order_ = backward_order_;
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
-  reset_iteration();
 }
 
 void BucketedDDP::rebuild_buckets() {
   rebuild_pending_ = false;
   rebuilt_ = true;
-  std::vector<size_t> order;
-  // BEGIN SOLUTION(02): rank 0 decides the order and broadcasts it; every rank lays its buckets out in it
-  // Ranks may see gradients in different orders (threads, timing); buckets must still be identical on all.
-  // The order travels on the parameters' device: NCCL only moves CUDA tensors.
-  at::Tensor host = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
-  int64_t* slot = host.data_ptr<int64_t>();
-  for (size_t k = 0; k < ready_order_.size(); ++k) slot[k] = static_cast<int64_t>(ready_order_[k]);
-  at::Tensor wire = host.to(params_.front().device());
-  comm_.broadcast(wire, 0).wait();
-  host = wire.cpu();
-  slot = host.data_ptr<int64_t>();
-  order.assign(slot, slot + host.numel());
+  // Ranks may have seen their gradients in different orders: all adopt rank 0's (task 2).
+  lay_out(agree_on_order(comm_, ready_order_, params_.front().device()));
+}
+
+// ---- Task 4: the ready -> launch -> finish machine (contracts and invariants in bucketed_ddp.h).
+
+void BucketedDDP::reset_iteration() {
+  // BEGIN SOLUTION(02, keep): a fresh backward over buckets_: nothing ready, nothing launched
+  handles_.clear();
+  missing_.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) missing_[b] = buckets_[b].params.size();
+  ready_.assign(params_.size(), false);
+  next_bucket_ = 0;
   // END SOLUTION
-  lay_out(order);
+}
+
+void BucketedDDP::mark_ready(size_t index) {
+  // BEGIN SOLUTION(02): count the parameter off its bucket; launch every complete bucket, strictly in bucket order
+  if (ready_[index])
+    throw std::logic_error("BucketedDDP: parameter '" + names_[index] +
+                           "' became ready twice in one synchronized backward; call loss() before each backward "
+                           "and run extra backward passes inside no_sync()");
+  ready_[index] = true;
+  if (--missing_[bucket_of_[index]] > 0) return;
+  // A later bucket may complete first (a tied weight, a layer used early): it waits for the ones before it, so
+  // every rank launches the same sequence whatever order its gradients arrive in.
+  while (next_bucket_ < buckets_.size() && missing_[next_bucket_] == 0)
+    handles_.push_back(reduce(buckets_[next_bucket_++]));
+  // END SOLUTION
+}
+
+std::vector<size_t> BucketedDDP::finish_backward() {
+  std::vector<size_t> unused;
+  // BEGIN SOLUTION(02): launch what is left (missing parameters as their slots are), wait for all, start afresh
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!ready_[i]) unused.push_back(i);
+  for (size_t i : unused) mark_ready(i);
+  std::vector<Handle> handles = std::move(handles_);
+  reset_iteration();
+  if (std::exception_ptr error = wait_all(handles)) std::rethrow_exception(error);
+  // END SOLUTION
+  return unused;
+}
+
+void BucketedDDP::wait_launched() {
+  // BEGIN SOLUTION(02, keep): wait for the buckets launched so far
+  std::vector<Handle> handles = std::move(handles_);
+  handles_.clear();
+  if (std::exception_ptr error = wait_all(handles)) std::rethrow_exception(error);
+  // END SOLUTION
 }
 
 }  // namespace shardlab::bucketed_ddp

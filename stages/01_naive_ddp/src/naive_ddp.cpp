@@ -18,7 +18,10 @@ NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(
 NaiveDDP::~NaiveDDP() {
   // Collectives still in flight write into tensors we do not own any more: finish them first (a destructor must not
   // throw; backward reported, or will report, any error).
-  wait_all(pending_);
+  try {
+    wait_pending();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the failure was, or will be, reported by backward
+  }
 }
 
 at::Tensor NaiveDDP::loss(const Batch& batch) {
@@ -27,26 +30,28 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
 }
 
 void broadcast_state(Model& module, Communicator& comm) {
+  // All replicas must start identical: every parameter (frozen ones too) and every buffer take rank 0's values.
   // TODO(stage01): broadcast every parameter and buffer from rank 0
   throw ::shardlab::NotImplemented("01", "broadcast every parameter and buffer from rank 0");
 }
 
 void NaiveDDP::on_gradient_ready(size_t index) {
-  // TODO(stage01): launch an asynchronous average of this parameter's gradient
-  throw ::shardlab::NotImplemented("01", "launch an asynchronous average of this parameter's gradient");
+  // TODO(stage01): outside no_sync, start averaging this parameter's gradient; never wait here
+  throw ::shardlab::NotImplemented("01", "outside no_sync, start averaging this parameter's gradient; never wait here");
+}
+
+void NaiveDDP::wait_pending() {
+  // TODO(stage01): wait for every average started and not waited for yet
+  throw ::shardlab::NotImplemented("01", "wait for every average started and not waited for yet");
 }
 
 void NaiveDDP::finish_sync() {
   const int64_t start = now_ns();
-  // TODO(stage01): wait for every all-reduce launched during this backward
-  throw ::shardlab::NotImplemented("01", "wait for every all-reduce launched during this backward");
+  wait_pending();
   comm_.recorder().record_wait("ddp sync", start, now_ns());  // exposed communication, for traces and benchmarks
 }
 
-NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) {
-  // TODO(stage01): turn gradient synchronization off for this scope
-  throw ::shardlab::NotImplemented("01", "turn gradient synchronization off for this scope");
-}
+NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) { sync_enabled_ = false; }
 
 NoSync::~NoSync() { sync_enabled_ = previous_; }
 

@@ -1,5 +1,6 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 
+#include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
@@ -45,7 +46,10 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
 BucketedDDP::~BucketedDDP() {
   // Collectives still in flight write into buffers we are about to free: finish them first (a destructor must not
   // throw; backward reported, or will report, any error).
-  wait_all(handles_);
+  try {
+    wait_launched();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the failure was, or will be, reported by backward
+  }
 }
 
 at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
@@ -58,8 +62,11 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   std::vector<Bucket> buckets;
   std::map<c10::ScalarType, at::Tensor> buffers;  // dtype -> flat gradient buffer
   std::vector<at::Tensor> slots(params_.size());  // parameter -> its gradient slot (what .grad() is)
-  // TODO(stage02): lay the gradients out as views of one flat buffer per dtype, bucket after bucket
-  throw ::shardlab::NotImplemented("02", "lay the gradients out as views of one flat buffer per dtype, bucket after bucket");
+  // The buffers live on the parameters' device (the constructor checked there is one): a bucket is reduced where
+  // its gradients are, with no copy. A gradient that exists already (a rebuild runs at the next forward, after the
+  // optimizer may have used, or the user may have kept, the gradients) keeps its values in its new slot.
+  // TODO(stage02): lay the gradients out in one flat buffer per dtype, bucket after bucket, each .grad its slot
+  throw ::shardlab::NotImplemented("02", "lay the gradients out in one flat buffer per dtype, bucket after bucket, each .grad its slot");
   // Whatever built the layout (stage 02's task), each parameter's slot must be able to stand for its gradient, and
   // the buckets' sizes must add up to their buffer's.
   for (size_t i = 0; i < params_.size(); ++i)
@@ -83,16 +90,6 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   reset_iteration();
 }
 
-void BucketedDDP::reset_iteration() {
-  handles_.clear();
-  handles_.resize(buckets_.size());
-  missing_.resize(buckets_.size());
-  for (size_t b = 0; b < buckets_.size(); ++b) missing_[b] = buckets_[b].params.size();
-  ready_.assign(params_.size(), false);
-  next_bucket_ = 0;
-  in_sync_ = false;
-}
-
 void BucketedDDP::attach_grads() {
   for (size_t i = 0; i < params_.size(); ++i) attach_grad(i);
 }
@@ -114,9 +111,9 @@ void BucketedDDP::attach_grad(size_t i) {
 at::Tensor BucketedDDP::loss(const Batch& batch) {
   const bool aborted = readiness_->forget_pending_end();  // its end-of-backward callback never ran
   if (in_sync_ || aborted) {
-    // The last backward ended early (an exception), or a forward ran without backward: wait for what was
-    // launched and start afresh.
-    for (auto& h : handles_) h.wait();
+    // The last backward was cut short (see in_sync_): wait for what it launched and start afresh.
+    in_sync_ = false;
+    wait_launched();
     reset_iteration();
   }
   // A forward without grad (evaluation, maybe on one rank only) must not run the rebuild's collective.
@@ -151,14 +148,14 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
   loss.register_hook([this, alive, unused](const at::Tensor&) {
     if (alive.expired() || !sync_enabled_) return;
     begin_backward();
-    for (size_t i : unused)
-      if (!ready_[i]) mark_ready(i);
+    for (size_t i : unused) mark_ready(i);  // the loss's hook runs first in backward: none of them is marked yet
   });
 }
 
 void BucketedDDP::begin_backward() {
   if (readiness_->end_pending()) return;  // not the first gradient of this backward
   backward_order_.clear();
+  in_sync_ = true;
   readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
 }
 
@@ -169,22 +166,9 @@ void BucketedDDP::on_gradient_ready(size_t index) {
                                 "' got a gradient that requires grad "
                                 "(backward with create_graph = true); double backward is not supported");
   attach_grad(index);  // a backward that replaced .grad instead of adding into it: move it into its slot
-  // TODO(stage02): once per backward queue finish_sync (begin_backward); record the ready order; mark ready
-  throw ::shardlab::NotImplemented("02", "once per backward queue finish_sync (begin_backward); record the ready order; mark ready");
-}
-
-void BucketedDDP::mark_ready(size_t index) {
-  if (ready_[index])
-    throw std::logic_error("BucketedDDP: parameter '" + names_[index] +
-                           "' became ready twice in one synchronized backward; call loss() before each backward "
-                           "and run extra backward passes inside no_sync()");
-  // TODO(stage02): count the parameter off its bucket; launch buckets that are now complete
-  throw ::shardlab::NotImplemented("02", "count the parameter off its bucket; launch buckets that are now complete");
-}
-
-void BucketedDDP::launch_ready_buckets() {
-  // TODO(stage02): launch complete buckets strictly in order, so collectives match across ranks
-  throw ::shardlab::NotImplemented("02", "launch complete buckets strictly in order, so collectives match across ranks");
+  begin_backward();    // on the first gradient of a backward: queue finish_sync
+  backward_order_.push_back(index);
+  mark_ready(index);
 }
 
 Handle BucketedDDP::reduce(const Bucket& bucket) {
@@ -194,17 +178,13 @@ Handle BucketedDDP::reduce(const Bucket& bucket) {
 
 void BucketedDDP::finish_sync() {
   compute_end_ns_ = now_ns();
-  std::vector<size_t> unused;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (!ready_[i]) unused.push_back(i);
   const int64_t wait_start = now_ns();
-  // Unused parameters are reduced as they are even when they are an error below: another rank may have had every
-  // gradient and be waiting for these buckets, and every rank must issue the same collectives to stay paired.
-  // TODO(stage02): reduce the unused parameters as they are, then wait for every bucket
-  throw ::shardlab::NotImplemented("02", "reduce the unused parameters as they are, then wait for every bucket");
+  const std::vector<size_t> unused = finish_backward();
+  in_sync_ = false;
   comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
+  // A parameter without gradient is an error only now: finish_backward reduced its slot as it was, because another
+  // rank may have had every gradient and be waiting for that bucket.
   if (!unused.empty() && !options_.find_unused_parameters) {
-    reset_iteration();
     std::string list;
     for (size_t i : unused) list += (list.empty() ? "'" : ", '") + names_[i] + "'";
     throw std::runtime_error(
@@ -221,16 +201,35 @@ void BucketedDDP::finish_sync() {
     if (!listed[i]) backward_order_.push_back(i);
   ready_order_ = backward_order_;
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
-  reset_iteration();
 }
 
 void BucketedDDP::rebuild_buckets() {
   rebuild_pending_ = false;
   rebuilt_ = true;
-  std::vector<size_t> order;
-  // TODO(stage02): rank 0 decides the order and broadcasts it; every rank lays its buckets out in it
-  throw ::shardlab::NotImplemented("02", "rank 0 decides the order and broadcasts it; every rank lays its buckets out in it");
-  lay_out(order);
+  // Ranks may have seen their gradients in different orders: all adopt rank 0's (task 2).
+  lay_out(agree_on_order(comm_, ready_order_, params_.front().device()));
+}
+
+// ---- Task 4: the ready -> launch -> finish machine (contracts and invariants in bucketed_ddp.h).
+
+void BucketedDDP::reset_iteration() {
+  // TODO(stage02): a fresh backward over buckets_: nothing ready, nothing launched
+}
+
+void BucketedDDP::mark_ready(size_t index) {
+  // TODO(stage02): count the parameter off its bucket; launch every complete bucket, strictly in bucket order
+  throw ::shardlab::NotImplemented("02", "count the parameter off its bucket; launch every complete bucket, strictly in bucket order");
+}
+
+std::vector<size_t> BucketedDDP::finish_backward() {
+  std::vector<size_t> unused;
+  // TODO(stage02): launch what is left (missing parameters as their slots are), wait for all, start afresh
+  throw ::shardlab::NotImplemented("02", "launch what is left (missing parameters as their slots are), wait for all, start afresh");
+  return unused;
+}
+
+void BucketedDDP::wait_launched() {
+  // TODO(stage02): wait for the buckets launched so far
 }
 
 }  // namespace shardlab::bucketed_ddp

@@ -87,15 +87,27 @@ class NaiveDDP {
   bool sync_enabled() const { return sync_enabled_; }
 
  private:
+  // ---- Task 2: gradient synchronization. The given code calls these two; the state they share is yours (below).
+  /// Called by the GradientReadiness each time autograd has accumulated `params_[index].grad()`, on the backward
+  /// thread. Outside `no_sync`: starts averaging that gradient over the ranks and returns without waiting, and makes
+  /// sure `finish_sync` runs when this backward ends. Inside `no_sync`: does nothing.
   void on_gradient_ready(size_t index);
+  /// Waits for every average started and not yet waited for; afterwards none is pending. Called at the end of a
+  /// synchronized backward (by finish_sync), before the forward that follows a backward cut short, and by the
+  /// destructor. A failed collective's error comes out of it.
+  void wait_pending();
+  /// The end-of-backward callback, and the settling of a backward cut short (given): wait_pending(), timed as
+  /// exposed communication.
   void finish_sync();
 
   std::shared_ptr<Model> module_;
   Communicator& comm_;
-  std::vector<at::Tensor> params_;                // trainable parameters, registration order
-  std::vector<Handle> pending_;                   // all-reduces launched in this backward
+  std::vector<at::Tensor> params_;  // trainable parameters, registration order
+  bool sync_enabled_ = true;        // false inside a no_sync scope
+  // BEGIN SOLUTION(01, keep): the state that on_gradient_ready and wait_pending share
+  std::vector<Handle> pending_;  // averages started in this backward, not waited for yet
+  // END SOLUTION
   std::unique_ptr<GradientReadiness> readiness_;  // the hooks; declared last, so they go first
-  bool sync_enabled_ = true;
 };
 
 }  // namespace shardlab::naive_ddp

@@ -4,8 +4,9 @@
 /// started during backward as soon as the bucket is complete.
 ///
 /// Stage 01 sends one message per parameter (26 for the tiny GPT); every message pays a fixed latency. Here the
-/// gradients live in one flat buffer per dtype, each parameter's `.grad()` being a view into it, so a bucket is a
-/// contiguous slice that can be all-reduced as one tensor, without any copy after backward.
+/// gradients live in one flat buffer per dtype, each parameter's `.grad()` sharing its memory (a slot, not an
+/// autograd view), so a bucket is a contiguous slice that can be all-reduced as one tensor, without any copy after
+/// backward.
 ///
 /// Life of one synchronized backward:
 ///  1. A post-accumulate hook marks a parameter ready; when every parameter of a bucket is ready, and every
@@ -115,39 +116,57 @@ class BucketedDDP {
   int64_t backward_compute_end_ns() const { return compute_end_ns_; }
 
  private:
+  // ---- Given: layout plumbing, the forward, the hooks' entry, the end of backward and the rebuild.
   void lay_out(const std::vector<size_t>& order);
   void attach_grads();
   void attach_grad(size_t index);
   void begin_backward();
-  void reset_iteration();
   void mark_unused_from_graph(const at::Tensor& loss);
   void on_gradient_ready(size_t index);
-  void mark_ready(size_t index);
-  void launch_ready_buckets();
   void finish_sync();
   void rebuild_buckets();
+  /// Starts `bucket`'s reduction (Options::reducer, or an average) and returns its handle at once.
   Handle reduce(const Bucket& bucket);
+
+  // ---- Task 4: the ready -> launch -> finish machine. The given code calls exactly these four; what state they
+  // share is yours to design (below). Invariants: buckets are launched strictly in bucket order, each once per
+  // synchronized backward; nothing here waits except finish_backward and wait_launched; every rank issues the same
+  // collectives in the same order in every backward, whatever its own gradients did.
+
+  /// Starts a fresh backward over `buckets_` (nothing ready, nothing launched). Called after every layout and after
+  /// every settled backward; never communicates.
+  void reset_iteration();
+  /// Parameter `index`'s gradient is final in its slot for this synchronized backward: launches (`reduce`) every
+  /// bucket that may now go, in bucket order, without waiting.
+  /// @throws std::logic_error naming the parameter when it was already marked in this backward.
+  void mark_ready(size_t index);
+  /// The end of a synchronized backward: marks every parameter that is not ready yet (its slot is reduced as it
+  /// is), waits for every bucket in launch order, and starts a fresh backward.
+  /// @return the parameters that had not been marked ready, in index order.
+  std::vector<size_t> finish_backward();
+  /// Waits for every bucket launched in this backward (a backward cut short, and the destructor); launches nothing.
+  void wait_launched();
 
   std::shared_ptr<Model> module_;
   Communicator& comm_;
   Options options_;
   std::vector<at::Tensor> params_;  // trainable, registration order
   std::vector<std::string> names_;
-  std::map<c10::ScalarType, at::Tensor> buffers_;  // one flat gradient buffer per dtype
+  std::map<c10::ScalarType, at::Tensor> buffers_;  // one flat gradient buffer per dtype, on the parameters' device
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> slots_;       // parameter -> its gradient slot in the flat buffer
   std::vector<size_t> bucket_of_;       // parameter -> bucket
-  std::vector<size_t> missing_;         // per bucket: parameters not ready yet in this backward
-  std::vector<bool> ready_;             // per parameter, this backward
-  std::vector<Handle> handles_;         // per bucket, this backward
-  size_t next_bucket_ = 0;              // next bucket to launch
   std::vector<size_t> ready_order_;     // the last synchronized backward that completed
   std::vector<size_t> backward_order_;  // the synchronized backward running now
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
-  bool in_sync_ = false;  // a synchronized backward launched work that finish_sync has not settled
+  // True from the first synchronized gradient of a backward until finish_sync has settled that backward. Still true
+  // at the next forward only when the backward was cut short (an exception in backward, or in finish_sync's waits):
+  // loss() then waits for what it launched and starts afresh.
+  bool in_sync_ = false;
   bool sync_enabled_ = true;
   int64_t compute_end_ns_ = 0;
+  // TODO(stage02): the machine's state for one synchronized backward
   std::unique_ptr<GradientReadiness> readiness_;           // the hooks; declared last, so they go first
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // the unused-parameter hook on a loss does nothing once gone
 };

@@ -1,0 +1,24 @@
+#include "shardlab/bucketed_ddp/order_agreement.h"
+
+#include "shardlab/common/errors.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace shardlab::bucketed_ddp {
+
+std::vector<size_t> agree_on_order(Communicator& comm, const std::vector<size_t>& order, c10::Device device) {
+  for (size_t i : order)
+    if (i > static_cast<size_t>(std::numeric_limits<int64_t>::max()))
+      throw std::invalid_argument("agree_on_order: expected indices that fit in an int64; got " + std::to_string(i));
+  std::vector<size_t> agreed;
+  // TODO(stage02): rank 0's order, on every rank, in one broadcast of an int64 tensor on `device`
+  throw ::shardlab::NotImplemented("02", "rank 0's order, on every rank, in one broadcast of an int64 tensor on `device`");
+  return agreed;
+}
+
+}  // namespace shardlab::bucketed_ddp
