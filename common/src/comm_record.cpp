@@ -41,9 +41,27 @@ void CommRecorder::record_wait(std::string what, int64_t start_ns, int64_t end_n
   waits_.push_back({std::move(what), start_ns, end_ns});
 }
 
+void CommRecorder::record_busy(int64_t start_ns, int64_t end_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (start_ns < end_ns) busy_.emplace_back(start_ns, end_ns);
+}
+
 std::vector<WaitRecord> CommRecorder::waits() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return waits_;
+  if (busy_.empty()) return waits_;
+  std::vector<std::pair<int64_t, int64_t>> busy = busy_;
+  std::sort(busy.begin(), busy.end());
+  std::vector<WaitRecord> out;
+  for (const auto& w : waits_) {
+    int64_t from = w.start_ns;
+    for (const auto& [a, b] : busy) {
+      if (b <= from || a >= w.end_ns) continue;
+      if (a > from) out.push_back({w.what, from, a});
+      from = std::max(from, b);
+    }
+    if (from < w.end_ns) out.push_back({w.what, from, w.end_ns});
+  }
+  return out;
 }
 
 }  // namespace shardlab

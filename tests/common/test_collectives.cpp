@@ -519,5 +519,29 @@ TEST(CommTime, BusyIsTheUnionOfTheSpansAndExposedItsPartInsideTheWaitsWithinTheW
   EXPECT_EQ(no_waits.exposed_ns, 0) << "no wait: all of it hidden";
 }
 
+// Work done inside a wait (stage 03's optimizer steps in a handle's continuation) is cut out of the wait spans, so
+// communication during it counts as hidden.
+TEST(CommTime, BusySpansInsideAWaitAreNotWaiting) {
+  CommRecorder rec;
+  rec.record_wait("ddp sync", 100, 200);
+  rec.record_wait("ddp sync", 300, 310);
+  rec.record_busy(120, 130);
+  rec.record_busy(150, 170);
+  rec.record_busy(190, 250);  // runs past the wait's end
+  rec.record_busy(300, 310);  // all of the second wait
+  const std::vector<WaitRecord> waits = rec.waits();
+  std::string got;
+  for (const auto& w : waits) got += "[" + std::to_string(w.start_ns) + "," + std::to_string(w.end_ns) + ")";
+  std::cout << "waits left: " << got << "\n";
+  EXPECT_EQ(got, "[100,120)[130,150)[170,190)");
+  CollectiveRecord r;
+  r.op = "all_reduce";
+  r.start_ns = 100;
+  r.end_ns = 200;
+  const CommTime t = comm_time({r}, waits, 0, 1000);
+  EXPECT_EQ(t.busy_ns, 100);
+  EXPECT_EQ(t.exposed_ns, 20 + 20 + 20) << "only the time the thread really waited";
+}
+
 }  // namespace
 }  // namespace shardlab

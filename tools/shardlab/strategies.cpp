@@ -2,6 +2,7 @@
 
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/comm_hooks/optimizer_overlap.h"
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
@@ -97,19 +98,27 @@ MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&) {
 }
 
 // Runs micro-batches and the optimizer; `Wrapper` decides how gradients are synchronized. Wrapper::no_sync() must
-// return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy.
+// return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy. With an `overlapped`
+// optimizer (stage 03's hook_then_optimizer, already in the wrapper's reducer) the synchronized backward steps the
+// parameters itself, and there is no optimizer step after it.
 template <typename Wrapper>
 class WrappedRunner : public StepRunner {
  public:
-  WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper)
+  WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper,
+                std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr)
       : config_(c),
         model_(std::move(model)),
         wrapper_(std::move(wrapper)),
-        optimizer_(make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {}
+        overlapped_(std::move(overlapped)),
+        optimizer_(overlapped_ ? nullptr
+                               : make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {}
 
   double step(const Batch& local) override {
     const int step = static_cast<int>(local.step);
-    compat::zero_grad(*optimizer_);
+    if (overlapped_)
+      overlapped_->zero_grad();
+    else
+      compat::zero_grad(*optimizer_);
     begin_step_memory(*wrapper_);
     const int m = config_.micro_batches;
     double loss_sum = 0;
@@ -132,7 +141,7 @@ class WrappedRunner : public StepRunner {
         run();
       }
     }
-    {
+    if (optimizer_) {
       Timeline::Scope span(timeline_, "optimizer", step);
       optimizer_->step();
     }
@@ -157,6 +166,7 @@ class WrappedRunner : public StepRunner {
   TrainConfig config_;
   std::shared_ptr<Model> model_;
   std::unique_ptr<Wrapper> wrapper_;
+  std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped_;  // null: optimizer_ steps after backward
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   MemoryFigures memory_;
 };
@@ -232,6 +242,25 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
           }};
 }
 
+// Bucketed DDP whose buckets step their own parameters as their averages land (stage 03's hook_then_optimizer):
+// the same traffic as bucketed_ddp, no optimizer step after backward.
+Strategy overlapped_optimizer() {
+  return {"overlap_optimizer", "stage 03: buckets step their parameters as their averages land", true,
+          [](const Model& m, int, const StrategyOptions& s, const TrainConfig&) {
+            return per_bucket_all_reduce(m, s, 1.0);
+          },
+          [](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
+            auto model = model_on_device(c);
+            auto optimizer = std::make_shared<comm_hooks::OverlappedOptimizer>(
+                trainable_parameters(*model),
+                [&c](std::vector<at::Tensor> p) { return make_optimizer(c.optimizer, std::move(p), c.lr); });
+            bucketed_ddp::Options options = ddp_options(s, c.model);
+            options.reducer = comm_hooks::hook_then_optimizer(nullptr, optimizer);
+            return std::make_unique<WrappedRunner<bucketed_ddp::BucketedDDP>>(
+                c, model, std::make_unique<bucketed_ddp::BucketedDDP>(model, *comm, options), optimizer);
+          }};
+}
+
 fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
   fsdp::Options o;
   o.reshard_after_forward = s.reshard_after_forward;
@@ -301,6 +330,7 @@ const std::vector<Strategy>& strategies() {
       bucketed("hook_allreduce", "stage 03: buckets through the fp32 hook (pre/post divide)", "allreduce", 1.0),
       bucketed("hook_fp16", "stage 03: buckets compressed to fp16 on the wire", "fp16", 0.5),
       bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5),
+      overlapped_optimizer(),
       {"fsdp", "stage 04: sharded units, all-gather before use, reduce-scatter of gradients", true, fsdp_traffic,
        [](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab {
@@ -56,13 +57,18 @@ class CommRecorder {
 
   /// Appends a wait span (see WaitRecord).
   void record_wait(std::string what, int64_t start_ns, int64_t end_ns);
-  /// Returns a copy of all wait spans, in the order they were recorded.
+  /// Marks [start_ns, end_ns) as work the waiting thread did inside one of its wait spans (stage 03's optimizer
+  /// step, run in a handle's continuation while later collectives are in flight): it was not waiting then.
+  void record_busy(int64_t start_ns, int64_t end_ns);
+  /// The wait spans in the order they were recorded, each with the busy spans cut out of it (so a span may come
+  /// back in several pieces, and one that was all work not at all).
   std::vector<WaitRecord> waits() const;
 
  private:
   mutable std::mutex mu_;
   std::vector<CollectiveRecord> records_;
   std::vector<WaitRecord> waits_;
+  std::vector<std::pair<int64_t, int64_t>> busy_;
 };
 
 /// Nanoseconds on the steady clock, the time base of CollectiveRecord.

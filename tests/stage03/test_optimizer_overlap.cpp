@@ -1,0 +1,210 @@
+// Stage 03 — the optimizer overlapped with communication. Stepping each bucket's parameters as soon as the bucket's
+// average lands must give exactly what one optimizer step after backward gives (bit for bit: the same arithmetic
+// per parameter), step buckets in bucket order, each after its reduction, and only on the synchronized backward.
+#include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/comm_hooks/optimizer_overlap.h"
+#include "shardlab/common/compat.h"
+#include "shardlab/common/data.h"
+#include "shardlab/common/reference.h"
+#include "shardlab/common/thread_ranks.h"
+
+#include "support/device.h"
+#include "support/group.h"
+#include "support/train_replica.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/lbfgs.h>
+
+#include <iostream>
+#include <set>
+
+namespace shardlab::comm_hooks {
+namespace {
+
+using bucketed_ddp::BucketedDDP;
+using bucketed_ddp::Options;
+using test_support::test_group;
+
+struct OverlapCase {
+  std::string model, optimizer, hook;  // hook "": the plain average
+  int world, micro;
+};
+
+std::ostream& operator<<(std::ostream& os, const OverlapCase& c) {
+  return os << c.model << "_" << c.optimizer << (c.hook.empty() ? "" : "_" + c.hook) << "_w" << c.world << "_m"
+            << c.micro;
+}
+
+TrainConfig config_of(const OverlapCase& o) {
+  TrainConfig c;
+  c.model = o.model;
+  c.optimizer = o.optimizer;
+  c.lr = o.optimizer == "adamw" ? 1e-2 : 0.05;
+  c.steps = 4;  // step 1 rebuilds the buckets: the overlap must survive a new layout
+  c.global_batch = 12;
+  c.micro_batches = o.micro;
+  c.seed = 21;
+  c.device = test_support::device_name();
+  return c;
+}
+
+// One rank's training with the optimizer inside backward: no optimizer step after it, gradients zeroed before
+// each step's first micro-batch, the first micro-batches inside no_sync.
+std::vector<at::Tensor> train_overlapped(Communicator& comm, const TrainConfig& c, const std::string& hook,
+                                         size_t* buckets, size_t* bucket_steps) {
+  auto model = make_model(c, device_of(c));
+  const auto params = trainable_parameters(*model);
+  auto overlapped = std::make_shared<OverlappedOptimizer>(
+      params, [&](std::vector<at::Tensor> p) { return make_optimizer(c.optimizer, std::move(p), c.lr); });
+  Options options;
+  options.caps = {2048, 8192};
+  options.reducer =
+      hook_then_optimizer(hook.empty() ? nullptr : as_bucket_reducer(make_hook(hook, comm)), overlapped);
+  BucketedDDP ddp(model, comm, options);
+  auto data = make_dataset(c.model, c.seed);
+  for (int step = 0; step < c.steps; ++step) {
+    overlapped->zero_grad();
+    auto micro = micro_batches(
+        rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()).to(device_of(c)),
+        c.micro_batches);
+    for (int i = 0; i < c.micro_batches; ++i) {
+      const size_t logged = overlapped->log().size();
+      if (i + 1 < c.micro_batches) {
+        auto scope = ddp.no_sync();
+        (ddp.loss(micro[i]) / c.micro_batches).backward();
+        EXPECT_EQ(overlapped->log().size(), logged) << "a backward inside no_sync must step nothing";
+      } else {
+        (ddp.loss(micro[i]) / c.micro_batches).backward();
+        EXPECT_EQ(overlapped->log().size() - logged, ddp.buckets().size()) << "one step per bucket";
+      }
+    }
+  }
+  *buckets = ddp.buckets().size();
+  *bucket_steps = overlapped->log().size();
+  std::vector<at::Tensor> out;
+  for (const auto& p : model->parameters()) out.push_back(p.detach().cpu().clone());
+  return out;
+}
+
+// The same training with one optimizer step after backward (the hook, if any, without the overlap).
+std::vector<at::Tensor> train_plain(Communicator& comm, const TrainConfig& c, const std::string& hook) {
+  auto model = make_model(c, device_of(c));
+  Options options;
+  options.caps = {2048, 8192};
+  if (!hook.empty()) options.reducer = as_bucket_reducer(make_hook(hook, comm));
+  BucketedDDP ddp(model, comm, options);
+  return test_support::train_replica(comm, c, *model, ddp);
+}
+
+class OptimizerOverlap : public ::testing::TestWithParam<OverlapCase> {};
+
+TEST_P(OptimizerOverlap, MatchesOneStepAfterBackwardBitForBit) {
+  const OverlapCase& o = GetParam();
+  const TrainConfig c = config_of(o);
+  std::vector<std::vector<at::Tensor>> overlapped(o.world), plain(o.world);
+  std::vector<size_t> buckets(o.world), steps(o.world);
+  run_ranks(
+      o.world,
+      [&](Communicator& comm) {
+        overlapped[comm.rank()] = train_overlapped(comm, c, o.hook, &buckets[comm.rank()], &steps[comm.rank()]);
+        plain[comm.rank()] = train_plain(comm, c, o.hook);
+      },
+      test_group());
+  const ReferenceResult ref = train_reference(c);
+  for (int r = 0; r < o.world; ++r) {
+    const double diff = max_abs_diff(overlapped[r], plain[r]);
+    std::cout << o << " rank " << r << ": " << buckets[r] << " buckets, " << steps[r]
+              << " bucket steps; max |overlapped - plain step| = " << diff
+              << ", max |overlapped - one device| = " << max_abs_diff(overlapped[r], ref.params) << "\n";
+    ASSERT_EQ(overlapped[r].size(), plain[r].size());
+    for (size_t i = 0; i < plain[r].size(); ++i)
+      EXPECT_TRUE(at::equal(overlapped[r][i], plain[r][i])) << "rank " << r << " parameter " << i << " differs by "
+                                                            << (overlapped[r][i] - plain[r][i]).abs().max().item<double>();
+    if (o.hook.empty())
+      EXPECT_TRUE(all_close(overlapped[r], ref.params, 1e-5, 1e-6)) << "and both match one device";
+    EXPECT_GT(buckets[r], 1u) << "the test needs several buckets";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stage03, OptimizerOverlap,
+                         ::testing::Values(OverlapCase{"tiny_gpt", "sgd", "", 2, 1}, OverlapCase{"mlp", "adamw", "", 3, 2},
+                                           OverlapCase{"tiny_gpt", "sgd", "", 2, 3},
+                                           OverlapCase{"tiny_gpt", "adamw", "allreduce", 2, 2},
+                                           OverlapCase{"mlp", "sgd", "fp16", 2, 1}),
+                         [](const auto& info) {
+                           std::ostringstream s;
+                           s << info.param;
+                           return s.str();
+                         });
+
+// Order: per synchronized backward one step per bucket, in bucket order, each stepping exactly its bucket's
+// parameters and starting after that bucket's all-reduce completed (the record's end is stamped before the
+// continuation runs).
+TEST(OptimizerOverlapOrder, EachBucketIsSteppedAfterItsReductionInBucketOrder) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 8);
+        const auto params = trainable_parameters(*model);
+        auto overlapped = std::make_shared<OverlappedOptimizer>(
+            params, [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.05); });
+        Options options;
+        options.caps = {2048, 8192};
+        options.reducer = hook_then_optimizer(nullptr, overlapped);
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset("tiny_gpt", 8);
+        for (int step = 0; step < 3; ++step) {
+          overlapped->zero_grad();
+          const size_t logged = overlapped->log().size();
+          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2));
+          const size_t mark = comm.recorder().size();
+          loss.backward();
+          const auto recs = comm.recorder().since(mark);
+          const auto& buckets = ddp.buckets();
+          ASSERT_EQ(recs.size(), buckets.size());
+          ASSERT_EQ(overlapped->log().size() - logged, buckets.size()) << "step " << step;
+          for (size_t b = 0; b < buckets.size(); ++b) {
+            const auto& entry = overlapped->log()[logged + b];
+            EXPECT_EQ(std::set<size_t>(entry.params.begin(), entry.params.end()),
+                      std::set<size_t>(buckets[b].params.begin(), buckets[b].params.end()))
+                << "step " << step << ": the " << b << "th optimizer step is bucket " << b << "'s";
+            EXPECT_GE(entry.start_ns, recs[b].end_ns) << "bucket " << b << " stepped before its reduction landed";
+            if (b > 0) EXPECT_GE(entry.start_ns, overlapped->log()[logged + b - 1].end_ns) << "bucket order";
+          }
+          if (comm.rank() == 0)
+            std::cout << "step " << step << ": " << buckets.size() << " buckets, each stepped after its all-reduce, "
+                      << "in bucket order\n";
+        }
+      },
+      test_group());
+}
+
+TEST(OptimizerOverlapOrder, RefusesWhatCannotBeSteppedBucketByBucket) {
+  const std::vector<at::Tensor> params{at::zeros({4}, at::requires_grad()), at::zeros({2}, at::requires_grad())};
+  auto sgd = [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.1); };
+  auto expect_refusal = [](const std::function<void()>& make, const std::string& words) {
+    try {
+      make();
+      ADD_FAILURE() << "expected a refusal mentioning '" << words << "'";
+    } catch (const std::invalid_argument& e) {
+      std::cout << "refused: " << e.what() << "\n";
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  expect_refusal(
+      [&] {
+        OverlappedOptimizer(params,
+                            [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::LBFGS>(std::move(p)); });
+      },
+      "LBFGS");
+  expect_refusal([&] { OverlappedOptimizer(params, sgd, /*max_grad_norm=*/1.0); }, "global gradient norm");
+  expect_refusal([&] { OverlappedOptimizer({}, sgd); }, "got none");
+  expect_refusal([&] { hook_then_optimizer(nullptr, nullptr); }, "null");
+  OverlappedOptimizer ok(params, sgd);
+  EXPECT_EQ(ok.size(), 2u);
+  expect_refusal([&] { ok.step_bucket(at::zeros({6})); }, "no parameter's gradient");
+}
+
+}  // namespace
+}  // namespace shardlab::comm_hooks
