@@ -59,15 +59,14 @@ std::vector<at::Tensor> train_overlapped(Communicator& comm, const TrainConfig& 
       params, [&](std::vector<at::Tensor> p) { return make_optimizer(c.optimizer, std::move(p), c.lr); });
   Options options;
   options.caps = {2048, 8192};
-  options.reducer =
-      hook_then_optimizer(hook.empty() ? nullptr : as_bucket_reducer(make_hook(hook, comm)), overlapped);
+  options.reducer = hook_then_optimizer(hook.empty() ? nullptr : as_bucket_reducer(make_hook(hook, comm)), overlapped);
   BucketedDDP ddp(model, comm, options);
   auto data = make_dataset(c.model, c.seed);
   for (int step = 0; step < c.steps; ++step) {
     overlapped->zero_grad();
-    auto micro = micro_batches(
-        rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()).to(device_of(c)),
-        c.micro_batches);
+    auto micro =
+        micro_batches(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size()).to(device_of(c)),
+                      c.micro_batches);
     for (int i = 0; i < c.micro_batches; ++i) {
       const size_t logged = overlapped->log().size();
       if (i + 1 < c.micro_batches) {
@@ -119,16 +118,17 @@ TEST_P(OptimizerOverlap, MatchesOneStepAfterBackwardBitForBit) {
               << ", max |overlapped - one device| = " << max_abs_diff(overlapped[r], ref.params) << "\n";
     ASSERT_EQ(overlapped[r].size(), plain[r].size());
     for (size_t i = 0; i < plain[r].size(); ++i)
-      EXPECT_TRUE(at::equal(overlapped[r][i], plain[r][i])) << "rank " << r << " parameter " << i << " differs by "
-                                                            << (overlapped[r][i] - plain[r][i]).abs().max().item<double>();
-    if (o.hook.empty())
-      EXPECT_TRUE(all_close(overlapped[r], ref.params, 1e-5, 1e-6)) << "and both match one device";
+      EXPECT_TRUE(at::equal(overlapped[r][i], plain[r][i]))
+          << "rank " << r << " parameter " << i << " differs by "
+          << (overlapped[r][i] - plain[r][i]).abs().max().item<double>();
+    if (o.hook.empty()) EXPECT_TRUE(all_close(overlapped[r], ref.params, 1e-5, 1e-6)) << "and both match one device";
     EXPECT_GT(buckets[r], 1u) << "the test needs several buckets";
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage03, OptimizerOverlap,
-                         ::testing::Values(OverlapCase{"tiny_gpt", "sgd", "", 2, 1}, OverlapCase{"mlp", "adamw", "", 3, 2},
+                         ::testing::Values(OverlapCase{"tiny_gpt", "sgd", "", 2, 1},
+                                           OverlapCase{"mlp", "adamw", "", 3, 2},
                                            OverlapCase{"tiny_gpt", "sgd", "", 2, 3},
                                            OverlapCase{"tiny_gpt", "adamw", "allreduce", 2, 2},
                                            OverlapCase{"mlp", "sgd", "fp16", 2, 1}),
@@ -194,8 +194,8 @@ TEST(OptimizerOverlapOrder, RefusesWhatCannotBeSteppedBucketByBucket) {
   };
   expect_refusal(
       [&] {
-        OverlappedOptimizer(params,
-                            [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::LBFGS>(std::move(p)); });
+        OverlappedOptimizer(
+            params, [](std::vector<at::Tensor> p) { return std::make_unique<torch::optim::LBFGS>(std::move(p)); });
       },
       "LBFGS");
   expect_refusal([&] { OverlappedOptimizer(params, sgd, /*max_grad_norm=*/1.0); }, "global gradient norm");

@@ -28,9 +28,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The strategies the benchmark compares (the ones with communication).
-const std::vector<std::string> kStrategies{"naive_ddp",      "bucketed_ddp", "overlap_optimizer",
-                                           "hook_allreduce", "hook_fp16",    "hook_bf16"};
+// The rows the benchmark compares (the strategies with communication; two with --bucket-cap-kb auto).
+struct BenchRow {
+  std::string strategy;
+  bool auto_caps = false;
+};
+const std::vector<BenchRow> kRows{
+    {"naive_ddp"},      {"bucketed_ddp"}, {"overlap_optimizer"}, {"bucketed_ddp", true}, {"overlap_optimizer", true},
+    {"hook_allreduce"}, {"hook_fp16"},    {"hook_bf16"}};
+// Hand tuning, for comparison with auto caps: bucketed_ddp over this grid of (first, later) caps in KiB, one run each.
+const std::vector<std::pair<int, int>> kHandCaps{{4, 16}, {8, 32}, {16, 32}, {16, 64}, {32, 64}, {64, 128}, {128, 128}};
 
 struct BenchOptions {
   RunOptions run;                                // the DDP section
@@ -225,15 +232,17 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   const auto& o = b.run;
   // Rounds: every strategy and PyTorch once per round, interleaved, so a slow spell of this (shared, 2-core)
   // machine hits every contender alike; each figure is the best median of the rounds.
-  std::vector<RunReport> rows(kStrategies.size());
+  std::vector<RunReport> rows(kRows.size());
   TorchResult torch;
   if (!b.torch) torch.why = "skipped (--no-torch)";
   bool torch_failed = false;
   for (int k = 0; k < b.repeat; ++k) {
-    for (size_t i = 0; i < kStrategies.size(); ++i) {
+    for (size_t i = 0; i < kRows.size(); ++i) {
       RunOptions each = o;
-      each.strategy = kStrategies[i];
+      each.strategy = kRows[i].strategy;
+      each.strategy_options.auto_caps = kRows[i].auto_caps;
       RunReport r = run_strategy(each, self_exe);
+      if (kRows[i].auto_caps) r.strategy += " (auto caps)";
       if (k == 0 || r.step_time_ms < rows[i].step_time_ms) rows[i] = r;
     }
     if (b.torch && !torch_failed) {
@@ -245,6 +254,20 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
       } else if (!torch.ok || t.step_ms < torch.step_ms) {
         torch = t;
       }
+    }
+  }
+  // The hand-tuned best: bucketed_ddp's fastest caps of the grid (one run each, after the rounds).
+  RunReport hand_best;
+  std::pair<int, int> hand_caps{0, 0};
+  for (const auto& [first, later] : kHandCaps) {
+    RunOptions each = o;
+    each.strategy = "bucketed_ddp";
+    each.strategy_options.first_bucket_cap_bytes = int64_t{first} << 10;
+    each.strategy_options.bucket_cap_bytes = int64_t{later} << 10;
+    RunReport r = run_strategy(each, self_exe);
+    if (hand_caps.first == 0 || r.step_time_ms < hand_best.step_time_ms) {
+      hand_best = r;
+      hand_caps = {first, later};
     }
   }
   int64_t params = 0;
@@ -299,6 +322,19 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   targets << "- overlapped optimizer exposed communication = " << fmt(overlap_exposed, 0)
           << " % of its communication time (target <= 25 %): "
           << (overlap_exposed <= 25 ? "met" : "MISSED by " + fmt(overlap_exposed - 25, 0) + " points") << "\n";
+  for (size_t i = 0; i < kRows.size(); ++i)
+    if (kRows[i].auto_caps && rows[i].auto_caps.size() == 6)
+      targets << "- " << rows[i].strategy << " chose " << fmt(rows[i].auto_caps[0] / 1024, 0) << " KiB first, "
+              << fmt(rows[i].auto_caps[1] / 1024, 0) << " KiB then (alpha " << fmt(rows[i].auto_caps[2] / 1e3, 1)
+              << " us, beta " << fmt(rows[i].auto_caps[3] * 1024 / 1e3, 2)
+              << " us/KiB): " << fmt(rows[i].step_time_ms, 2) << " ms per step, modelled exposed "
+              << fmt(rows[i].auto_caps[4] / 1e6, 2) << " ms with the bench's caps, "
+              << fmt(rows[i].auto_caps[5] / 1e6, 2) << " ms with its own\n";
+  targets << "- bucketed_ddp caps: the bench's " << o.strategy_options.first_bucket_cap_bytes / 1024 << "/"
+          << o.strategy_options.bucket_cap_bytes / 1024 << " KiB " << fmt(bucketed->step_time_ms, 2)
+          << " ms; hand-tuned best of " << kHandCaps.size() << " cap pairs " << hand_caps.first << "/"
+          << hand_caps.second << " KiB " << fmt(hand_best.step_time_ms, 2)
+          << " ms (one run each); PyTorch's defaults are 1024/25600 KiB (one bucket for this model)\n";
   const double fewer =
       bucketed->collectives_per_step > 0 ? naive->collectives_per_step / bucketed->collectives_per_step : 0;
   const double faster = bucketed->step_time_ms > 0 ? naive->step_time_ms / bucketed->step_time_ms : 0;

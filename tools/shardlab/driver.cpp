@@ -161,6 +161,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.peak_param_bytes_theory = first("peak_param_bytes_theory");
       r.peak_grad_bytes = first("peak_grad_bytes");
       r.peak_grad_bytes_theory = first("peak_grad_bytes_theory");
+      r.auto_caps = text["auto_caps"];
     }
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
@@ -190,12 +191,18 @@ void print_report(const RunReport& r) {
   std::cout << std::defaultfloat << std::setprecision(6)
             << "\n  max parameter difference vs single device: " << r.max_param_diff
             << "\n  collectives per step: " << r.collectives_per_step << " (theory " << r.collectives_per_step_theory
-            << "), plus " << r.setup_collectives
+            << (r.auto_caps.empty() ? "" : " with the caps before auto chose others") << "), plus "
+            << r.setup_collectives
             << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step) << " (theory "
             << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n";
   if (r.bytes_per_step != r.bytes_per_step_theory && r.strategy == "hook_bf16")
     std::cout << "  (the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks])\n";
   if (r.buckets > 0) std::cout << "  buckets: " << r.buckets << "\n";
+  if (r.auto_caps.size() == 6)
+    std::cout << "  auto caps (chosen after step 2): first " << r.auto_caps[0] / 1024 << " KiB, then "
+              << r.auto_caps[1] / 1024 << " KiB; all-reduce alpha " << r.auto_caps[2] / 1e3 << " us, beta "
+              << r.auto_caps[3] * 1024 / 1e3 << " us/KiB; modelled exposed " << r.auto_caps[4] / 1e6
+              << " ms with the caps before, " << r.auto_caps[5] / 1e6 << " ms with the chosen ones\n";
   if (r.peak_param_bytes > 0)
     std::cout << "  peak memory per rank: parameters " << static_cast<int64_t>(r.peak_param_bytes) << " bytes (theory "
               << static_cast<int64_t>(r.peak_param_bytes_theory) << "), gradients "
@@ -282,8 +289,9 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"peak_param_bytes_theory\": " << r.peak_param_bytes_theory << ",\n"
       << pad << "  \"peak_grad_bytes\": " << r.peak_grad_bytes << ",\n"
       << pad << "  \"peak_grad_bytes_theory\": " << r.peak_grad_bytes_theory << ",\n"
-      << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n"
-      << pad << "}";
+      << pad << "  \"auto_caps\": ";
+  json_array(out, r.auto_caps);
+  out << ",\n" << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n" << pad << "}";
 }
 
 }  // namespace

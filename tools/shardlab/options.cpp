@@ -94,6 +94,8 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
     else if (flag == "--result-dir")
       o.result_dir = v;
+    else if (flag == "--bucket-cap-kb" && v == "auto")
+      o.strategy_options.auto_caps = true;
     else if (flag == "--bucket-cap-kb")
       o.strategy_options.bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
     else if (flag == "--first-bucket-kb")
@@ -157,42 +159,43 @@ std::vector<std::string> to_args(const RunOptions& o) {
   std::ostringstream lr;
   lr.precision(17);
   lr << o.train.lr;
-  std::vector<std::string> args{"--strategy",
-                                o.strategy,
-                                "--world-size",
-                                std::to_string(o.world_size),
-                                "--model",
-                                o.train.model,
-                                "--steps",
-                                std::to_string(o.train.steps),
-                                "--global-batch",
-                                std::to_string(o.train.global_batch),
-                                "--seed",
-                                std::to_string(o.train.seed),
-                                "--optimizer",
-                                o.train.optimizer,
-                                "--lr",
-                                lr.str(),
-                                "--micro-batches",
-                                std::to_string(o.train.micro_batches),
-                                "--result-dir",
-                                o.result_dir,
-                                "--bucket-cap-kb",
-                                std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
-                                "--first-bucket-kb",
-                                std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
-                                "--threads",
-                                std::to_string(o.threads),
-                                "--device",
-                                o.train.device,
-                                "--backend",
-                                o.backend,
-                                "--layers",
-                                std::to_string(o.train.layers),
-                                "--dim",
-                                std::to_string(o.train.dim),
-                                "--reshard-after-forward",
-                                o.strategy_options.reshard_after_forward ? "true" : "false"};
+  std::vector<std::string> args{
+      "--strategy",
+      o.strategy,
+      "--world-size",
+      std::to_string(o.world_size),
+      "--model",
+      o.train.model,
+      "--steps",
+      std::to_string(o.train.steps),
+      "--global-batch",
+      std::to_string(o.train.global_batch),
+      "--seed",
+      std::to_string(o.train.seed),
+      "--optimizer",
+      o.train.optimizer,
+      "--lr",
+      lr.str(),
+      "--micro-batches",
+      std::to_string(o.train.micro_batches),
+      "--result-dir",
+      o.result_dir,
+      "--bucket-cap-kb",
+      o.strategy_options.auto_caps ? std::string("auto") : std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+      "--first-bucket-kb",
+      std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
+      "--threads",
+      std::to_string(o.threads),
+      "--device",
+      o.train.device,
+      "--backend",
+      o.backend,
+      "--layers",
+      std::to_string(o.train.layers),
+      "--dim",
+      std::to_string(o.train.dim),
+      "--reshard-after-forward",
+      o.strategy_options.reshard_after_forward ? "true" : "false"};
   for (const auto& [flag, value] :
        {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
         {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {
@@ -228,7 +231,8 @@ std::string usage() {
          "  --optimizer O       sgd|adamw                              default sgd\n"
          "  --lr X              learning rate                          default 0.05\n"
          "  --micro-batches M   gradient accumulation per step         default 1\n"
-         "  --bucket-cap-kb N   bucket cap after the first bucket      default 25600 (25 MiB)\n"
+         "  --bucket-cap-kb N|auto  bucket cap after the first bucket  default 25600 (25 MiB); auto: both caps\n"
+         "                      chosen after step 2 from measured all-reduce costs and gradient-ready times\n"
          "  --first-bucket-kb N cap of the first bucket                default 1024 (1 MiB)\n"
          "  --reshard-after-forward true|false  FSDP: free units after forward   default true\n"
          "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the "

@@ -34,6 +34,9 @@ struct RunReport {
   bool reshard_after_forward = true;    ///< FSDP: the units' setting
   std::string trace_dir;                ///< where the Chrome traces went ("" = none)
   std::string backend;                  ///< "gloo", "nccl", or "none" (single device)
+  /// --bucket-cap-kb auto (rank 0, empty otherwise): chosen first and later cap (bytes), alpha (ns), beta (ns per
+  /// byte), modelled exposed ns with the caps before and with the chosen ones.
+  std::vector<double> auto_caps;
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into

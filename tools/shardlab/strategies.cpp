@@ -162,6 +162,9 @@ class WrappedRunner : public StepRunner {
   }
   std::vector<CounterSample> counters() const override { return counters_of(*wrapper_); }
 
+ protected:
+  Wrapper& wrapper() { return *wrapper_; }
+
  private:
   TrainConfig config_;
   std::shared_ptr<Model> model_;
@@ -227,6 +230,62 @@ Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, doubl
   return {static_cast<double>(buckets), payload_bytes(model, scale)};
 }
 
+// --bucket-cap-kb auto: after step 2 (the first warm backward, on the rebuilt layout) measure the all-reduce's
+// alpha and beta on the group and let stage 02's cost model choose both caps from that backward's ready times.
+// Ranks saw different ready times: rank 0's choice is broadcast, and every rank lays its buckets out again with it.
+class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
+ public:
+  AutoCapsRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp,
+                 Communicator& comm, std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped)
+      : WrappedRunner(c, model, std::move(ddp), std::move(overlapped)),
+        comm_(comm),
+        device_(model->parameters().front().device()) {}
+
+  double step(const Batch& local) override {
+    const double loss = WrappedRunner::step(local);
+    if (++steps_ == 2) tune();
+    return loss;
+  }
+  std::map<std::string, std::vector<double>> extra() const override { return extra_; }
+
+ private:
+  void tune() {
+    bucketed_ddp::BucketedDDP& ddp = wrapper();
+    const size_t first_record = comm_.recorder().size();
+    const bucketed_ddp::LinkCost cost = bucketed_ddp::measure_all_reduce_cost(comm_, device_);
+    const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
+    const bucketed_ddp::BucketCaps before = ddp.caps();
+    bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost);
+    at::Tensor wire = at::tensor({chosen.first_bytes, chosen.bytes}, at::kLong).to(device_);
+    comm_.broadcast(wire, 0).wait();
+    wire = wire.cpu();
+    chosen = {wire[0].item<int64_t>(), wire[1].item<int64_t>()};
+    ddp.set_caps(chosen);
+    // The measurement's collectives are setup, not training traffic (see setup_records in worker.cpp).
+    extra_["setup_records"] = {static_cast<double>(first_record), static_cast<double>(comm_.recorder().size())};
+    extra_["auto_caps"] = {static_cast<double>(chosen.first_bytes),
+                           static_cast<double>(chosen.bytes),
+                           cost.alpha_ns,
+                           cost.beta_ns_per_byte,
+                           bucketed_ddp::modelled_exposed_ns(profile, before, cost),
+                           bucketed_ddp::modelled_exposed_ns(profile, chosen, cost)};
+  }
+
+  Communicator& comm_;
+  c10::Device device_;
+  int steps_ = 0;
+  std::map<std::string, std::vector<double>> extra_;
+};
+
+// BucketedDDP's runner: plain, or with auto caps.
+std::unique_ptr<StepRunner> bucketed_runner(const TrainConfig& c, const StrategyOptions& s, Communicator& comm,
+                                            std::shared_ptr<Model> model, bucketed_ddp::Options options,
+                                            std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr) {
+  auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, comm, std::move(options));
+  if (s.auto_caps) return std::make_unique<AutoCapsRunner>(c, model, std::move(ddp), comm, std::move(overlapped));
+  return std::make_unique<WrappedRunner<bucketed_ddp::BucketedDDP>>(c, model, std::move(ddp), std::move(overlapped));
+}
+
 // A strategy that runs BucketedDDP with one of stage 03's hooks ("" = stage 02's plain all-reduce of the average).
 Strategy bucketed(std::string name, std::string description, std::string hook, double scale) {
   return {std::move(name), std::move(description), true,
@@ -237,8 +296,7 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
             auto model = model_on_device(c);
             bucketed_ddp::Options options = ddp_options(s, c.model);
             if (!hook.empty()) options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, *comm));
-            return std::make_unique<WrappedRunner<bucketed_ddp::BucketedDDP>>(
-                c, model, std::make_unique<bucketed_ddp::BucketedDDP>(model, *comm, options));
+            return bucketed_runner(c, s, *comm, model, std::move(options));
           }};
 }
 
@@ -256,8 +314,7 @@ Strategy overlapped_optimizer() {
                 [&c](std::vector<at::Tensor> p) { return make_optimizer(c.optimizer, std::move(p), c.lr); });
             bucketed_ddp::Options options = ddp_options(s, c.model);
             options.reducer = comm_hooks::hook_then_optimizer(nullptr, optimizer);
-            return std::make_unique<WrappedRunner<bucketed_ddp::BucketedDDP>>(
-                c, model, std::make_unique<bucketed_ddp::BucketedDDP>(model, *comm, options), optimizer);
+            return bucketed_runner(c, s, *comm, model, std::move(options), optimizer);
           }};
 }
 

@@ -9,6 +9,7 @@
 #include "shardlab/common/trace.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,10 @@ class StepRunner {
   virtual void set_timeline(Timeline* timeline) { timeline_ = timeline; }
   /// Counter samples for the trace (FSDP: parameter and gradient bytes held over time; others: none).
   virtual std::vector<CounterSample> counters() const { return {}; }
+  /// Extra figures for the report, as `key value...` lines of the rank's result file (auto caps: what was chosen).
+  /// "setup_records" [first, last) names recorder indices of collectives that were setup (a measurement), not
+  /// training: the worker leaves them out of the per-step figures.
+  virtual std::map<std::string, std::vector<double>> extra() const { return {}; }
 
  protected:
   Timeline* timeline_ = nullptr;  ///< see set_timeline

@@ -87,7 +87,18 @@ int run_worker(const RunOptions& options) {
   double collectives = 0, bytes = 0, sent = 0, setup_collectives = static_cast<double>(setup);
   CommTime comm_ns;
   if (comm) {
-    const auto records = comm->recorder().since(setup);
+    std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
+    const auto extra = runner->extra();
+    const auto skip = extra.find("setup_records");
+    const auto all = comm->recorder().snapshot();
+    for (size_t i = setup; i < all.size(); ++i) {
+      if (skip != extra.end() && skip->second.size() == 2 && static_cast<double>(i) >= skip->second[0] &&
+          static_cast<double>(i) < skip->second[1]) {
+        setup_collectives += 1;
+        continue;
+      }
+      records.push_back(all[i]);
+    }
     for (const auto& r : records) {
       if (r.op == "broadcast") {
         setup_collectives += 1;
@@ -102,6 +113,11 @@ int run_worker(const RunOptions& options) {
   out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
       << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms "
       << comm_ns.exposed_ns / 1e6 << "\nbuckets " << runner->buckets() << "\n";
+  for (const auto& [key, values] : runner->extra()) {
+    out << key;
+    for (double v : values) out << ' ' << v;
+    out << '\n';
+  }
   const MemoryFigures mem = runner->memory();
   out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
       << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory

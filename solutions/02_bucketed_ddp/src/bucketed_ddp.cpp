@@ -179,6 +179,7 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
 void BucketedDDP::begin_backward() {
   if (readiness_->end_pending()) return;  // not the first gradient of this backward
   backward_order_.clear();
+  ready_ns_.assign(params_.size(), 0);
   in_sync_ = true;
   readiness_->expect_end_of_backward();  // finish_sync() runs once, when this backward ends
 }
@@ -192,6 +193,7 @@ void BucketedDDP::on_gradient_ready(size_t index) {
   attach_grad(index);  // a backward that replaced .grad instead of adding into it: move it into its slot
   begin_backward();    // on the first gradient of a backward: queue finish_sync
   backward_order_.push_back(index);
+  ready_ns_[index] = now_ns();
   mark_ready(index);
 }
 
@@ -224,7 +226,27 @@ void BucketedDDP::finish_sync() {
   for (size_t i = params_.size(); i-- > 0;)
     if (!listed[i]) backward_order_.push_back(i);
   ready_order_ = backward_order_;
+  last_ready_ns_ = ready_ns_;
+  for (auto& t : last_ready_ns_)
+    if (t == 0) t = compute_end_ns_;  // found unused: its slot was ready when compute ended
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
+}
+
+BackwardProfile BucketedDDP::last_backward_profile() const {
+  if (ready_order_.empty()) return {};
+  return {params_, last_ready_ns_, ready_order_, compute_end_ns_};
+}
+
+void BucketedDDP::set_caps(BucketCaps caps) {
+  if (caps.first_bytes <= 0 || caps.bytes <= 0)
+    throw std::invalid_argument("BucketedDDP::set_caps: bucket caps must be positive; got first " +
+                                std::to_string(caps.first_bytes) + " bytes, then " + std::to_string(caps.bytes));
+  if (ready_order_.empty())
+    throw std::logic_error(
+        "BucketedDDP::set_caps: expected a completed synchronized backward (its ready order lays "
+        "the buckets out); got none yet");
+  options_.caps = caps;
+  rebuild_pending_ = true;
 }
 
 void BucketedDDP::rebuild_buckets() {

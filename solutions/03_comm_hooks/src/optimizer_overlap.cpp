@@ -80,7 +80,7 @@ bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer redu
                                                 std::shared_ptr<OverlappedOptimizer> optimizer) {
   if (!optimizer) throw std::invalid_argument("hook_then_optimizer: expected an optimizer; got a null pointer");
   return [reduce = std::move(reduce), optimizer = std::move(optimizer)](Communicator& comm,
-                                                                         const at::Tensor& bucket) -> Handle {
+                                                                        const at::Tensor& bucket) -> Handle {
     // The reduction starts now, on the backward thread; the step must wait until the average has landed, and must
     // not block that thread: it belongs in the handle's continuation, which runs inside wait() at the end of
     // backward, bucket after bucket in launch order.

@@ -22,6 +22,7 @@
 /// find_unused_parameters and its "Expected to have finished reduction" error).
 
 #include "shardlab/bucketed_ddp/bucket_plan.h"
+#include "shardlab/bucketed_ddp/cap_tuning.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
@@ -114,6 +115,17 @@ class BucketedDDP {
   /// steady_clock time (now_ns) at which the last synchronized backward finished computing gradients, i.e. when
   /// its end-of-backward callback began; an all-reduce that started earlier overlapped with backward.
   int64_t backward_compute_end_ns() const { return compute_end_ns_; }
+  /// The last synchronized backward that completed, as cap_tuning's model sees it: per parameter when its gradient
+  /// became ready (now_ns; a parameter found unused: when compute ended), the ready order, the compute end.
+  /// Empty (no parameters) before the first one.
+  BackwardProfile last_backward_profile() const;
+  /// The caps in use (Options::caps, or the last set_caps).
+  BucketCaps caps() const { return options_.caps; }
+  /// Lays the buckets out again with `caps`, in the last ready order (rank 0's), at the next training forward (a
+  /// collective, like the first rebuild). Every rank must call it with the same caps between the same steps.
+  /// @throws std::invalid_argument for a non-positive cap; std::logic_error before the first synchronized backward
+  ///         has completed (there is no ready order yet).
+  void set_caps(BucketCaps caps);
 
  private:
   // ---- Given: layout plumbing, the forward, the hooks' entry, the end of backward and the rebuild.
@@ -158,6 +170,8 @@ class BucketedDDP {
   std::vector<size_t> bucket_of_;       // parameter -> bucket
   std::vector<size_t> ready_order_;     // the last synchronized backward that completed
   std::vector<size_t> backward_order_;  // the synchronized backward running now
+  std::vector<int64_t> ready_ns_;       // per parameter: when it became ready in the backward running now
+  std::vector<int64_t> last_ready_ns_;  // the same for the last synchronized backward that completed
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
   // True from the first synchronized gradient of a backward until finish_sync has settled that backward. Still true

@@ -1,0 +1,164 @@
+// Stage 02 — bucket caps from a cost model. The fit, the replayed timeline and the choice are checked against
+// figures worked out independently: a line through known points, a backward worked by hand, and an exhaustive
+// search over the grid written here from the model's definition, not with the module's own functions.
+#include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/bucketed_ddp/cap_tuning.h"
+#include "shardlab/common/data.h"
+#include "shardlab/common/reference.h"
+#include "shardlab/common/thread_ranks.h"
+
+#include "support/group.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <iostream>
+#include <limits>
+
+namespace shardlab::bucketed_ddp {
+namespace {
+
+using test_support::test_group;
+
+TEST(CapTuning, FitRecoversAlphaAndBetaOfALine) {
+  // 30 us + 2 ns/byte, exactly
+  const LinkCost c = fit_link_cost({{1000, 32000}, {11000, 52000}, {101000, 232000}});
+  std::cout << "alpha " << c.alpha_ns << " ns (expected 30000), beta " << c.beta_ns_per_byte << " ns/B (expected 2)\n";
+  EXPECT_NEAR(c.alpha_ns, 30000, 1e-6);
+  EXPECT_NEAR(c.beta_ns_per_byte, 2, 1e-12);
+  EXPECT_DOUBLE_EQ(c.ns(500), 31000);
+  EXPECT_THROW(fit_link_cost({{1000, 1}, {1000, 2}}), std::invalid_argument) << "one size cannot give a slope";
+  const LinkCost falling = fit_link_cost({{1000, 500}, {2000, 100}});
+  EXPECT_EQ(falling.beta_ns_per_byte, 0) << "a negative slope is clamped";
+}
+
+// Three parameters of 400, 800 and 1200 bytes, ready at 100, 200 and 300 ns (in that order), backward ends at 300;
+// alpha 50, beta 0.1 ns/byte.
+BackwardProfile three() {
+  return {{at::zeros({100}), at::zeros({200}), at::zeros({300})}, {100, 200, 300}, {0, 1, 2}, 300};
+}
+
+TEST(CapTuning, TimelineMatchesABackwardWorkedByHand) {
+  const LinkCost cost{50, 0.1};
+  // One bucket: ready 300, runs 300..(300 + 50 + 240) = 590: exposed 290.
+  EXPECT_DOUBLE_EQ(modelled_exposed_ns(three(), {1 << 20, 1 << 20}, cost), 290);
+  // One bucket each (caps of 1 byte): [100, 100+50+40=190], [200, 200+50+80=330], [330, 330+50+120=500]: 200.
+  EXPECT_DOUBLE_EQ(modelled_exposed_ns(three(), {1, 1}, cost), 200);
+  // First cap 400 B: {0} then {1, 2}: [100, 190], then ready 300: [300, 300+50+200=550]: 250.
+  EXPECT_DOUBLE_EQ(modelled_exposed_ns(three(), {400, 1 << 20}, cost), 250);
+  // A slow link: one bucket each queues behind the one before: [100, 1140], [1140, 2220], [2220, 3340]: exposed
+  // 3040; the single bucket runs [300, 1540]: 1240, now the better choice.
+  const LinkCost slow{1000, 0.1};
+  EXPECT_DOUBLE_EQ(modelled_exposed_ns(three(), {1, 1}, slow), 3040);
+  EXPECT_DOUBLE_EQ(modelled_exposed_ns(three(), {1 << 20, 1 << 20}, slow), 1240);
+}
+
+// The test's own replay, from the model's definition: buckets by the cap rule over the order (one dtype here), then
+// in-order launches on one serial link.
+double replay(const std::vector<int64_t>& bytes, const std::vector<int64_t>& ready, int64_t end, int64_t first,
+              int64_t later, double alpha, double beta, size_t* buckets) {
+  double launch = -1e300, done = -1e300;
+  int64_t held = 0, cap = first;
+  double latest = -1e300;
+  *buckets = 0;
+  auto close = [&] {
+    launch = std::max(launch, latest);
+    done = std::max(done, launch) + alpha + beta * static_cast<double>(held);
+    ++*buckets;
+    held = 0;
+    latest = -1e300;
+    cap = later;
+  };
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    held += bytes[i];
+    latest = std::max(latest, static_cast<double>(ready[i]));
+    if (held >= cap) close();
+  }
+  if (held > 0) close();
+  return std::max(0.0, done - static_cast<double>(end));
+}
+
+TEST(CapTuning, ChoiceIsTheExhaustiveSearchsBestOnTwoLinks) {
+  // 12 gradients, sizes 0.5-24 KiB, ready every 40 us in order; backward ends with the last one.
+  const std::vector<int64_t> numel{128, 6144, 256, 4096, 512, 2048, 128, 6144, 1024, 3072, 256, 4096};
+  BackwardProfile p;
+  std::vector<int64_t> bytes;
+  for (size_t i = 0; i < numel.size(); ++i) {
+    p.params.push_back(at::zeros({numel[i]}));
+    p.ready_ns.push_back(static_cast<int64_t>(i) * 40000);
+    p.order.push_back(i);
+    bytes.push_back(numel[i] * 4);
+  }
+  p.end_ns = p.ready_ns.back();
+  const std::vector<int64_t> grid{1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10};
+  std::vector<BucketCaps> picks;
+  for (const LinkCost cost : {LinkCost{200000, 0.5}, LinkCost{5000, 4.0}}) {  // latency-bound, bandwidth-bound
+    double best = std::numeric_limits<double>::infinity();
+    size_t best_buckets = 0;
+    for (int64_t f : grid)
+      for (int64_t l : grid) {
+        size_t n = 0;
+        const double e = replay(bytes, p.ready_ns, p.end_ns, f, l, cost.alpha_ns, cost.beta_ns_per_byte, &n);
+        if (e < best || (e == best && n < best_buckets)) {
+          best = e;
+          best_buckets = n;
+        }
+      }
+    const BucketCaps chosen = choose_caps(p, cost, grid);
+    size_t n = 0;
+    const double got = replay(bytes, p.ready_ns, p.end_ns, chosen.first_bytes, chosen.bytes, cost.alpha_ns,
+                              cost.beta_ns_per_byte, &n);
+    std::cout << "alpha " << cost.alpha_ns / 1e3 << " us, beta " << cost.beta_ns_per_byte << " ns/B: chose "
+              << chosen.first_bytes / 1024 << "/" << chosen.bytes / 1024 << " KiB, " << n << " buckets, exposed "
+              << got / 1e3 << " us; exhaustive best " << best / 1e3 << " us with " << best_buckets << " buckets\n";
+    EXPECT_DOUBLE_EQ(got, best);
+    EXPECT_EQ(n, best_buckets) << "ties go to fewer buckets";
+    EXPECT_DOUBLE_EQ(modelled_exposed_ns(p, chosen, cost), got) << "the module's replay agrees with the test's";
+    picks.push_back(chosen);
+  }
+  EXPECT_TRUE(picks[0].first_bytes != picks[1].first_bytes || picks[0].bytes != picks[1].bytes)
+      << "a latency-bound and a bandwidth-bound link must not get the same caps here";
+  EXPECT_THROW(choose_caps(BackwardProfile{}, LinkCost{}), std::invalid_argument);
+  EXPECT_THROW(choose_caps(p, LinkCost{}, {0}), std::invalid_argument);
+}
+
+// BucketedDDP records when each gradient became ready, and set_caps lays the buckets out again at the next forward.
+TEST(CapTuning, BucketedDDPProfilesItsBackwardAndTakesNewCaps) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("tiny_gpt", 12);
+        Options options;
+        options.caps = {2048, 8192};
+        BucketedDDP ddp(model, comm, options);
+        EXPECT_TRUE(ddp.last_backward_profile().params.empty()) << "no backward yet";
+        EXPECT_THROW(ddp.set_caps({1 << 20, 1 << 20}), std::logic_error) << "no ready order yet";
+        auto data = make_dataset("tiny_gpt", 12);
+        auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
+        auto step = [&](int s) {
+          opt->zero_grad();
+          ddp.loss(rank_slice(data->global_batch(s, 8), comm.rank(), 2)).backward();
+          opt->step();
+        };
+        step(0);
+        const BackwardProfile p = ddp.last_backward_profile();
+        ASSERT_EQ(p.params.size(), ddp.parameters().size());
+        for (size_t k = 1; k < p.order.size(); ++k)
+          EXPECT_LE(p.ready_ns[p.order[k - 1]], p.ready_ns[p.order[k]]) << "ready times follow the ready order";
+        EXPECT_LE(p.ready_ns[p.order.back()], p.end_ns);
+        const size_t before = ddp.buckets().size();
+        ddp.set_caps({1 << 20, 1 << 20});
+        EXPECT_EQ(ddp.buckets().size(), before) << "nothing changes before the next forward";
+        step(1);
+        EXPECT_EQ(ddp.buckets().size(), 1u) << "caps of 1 MiB hold the whole tiny GPT";
+        EXPECT_EQ(ddp.caps().first_bytes, 1 << 20);
+        if (comm.rank() == 0)
+          std::cout << before << " buckets, then 1 after set_caps; ready times span "
+                    << (p.ready_ns[p.order.back()] - p.ready_ns[p.order.front()]) / 1e3 << " us\n";
+      },
+      test_group());
+}
+
+}  // namespace
+}  // namespace shardlab::bucketed_ddp
