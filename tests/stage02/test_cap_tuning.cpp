@@ -107,8 +107,8 @@ TEST(CapTuning, ChoiceIsTheExhaustiveSearchsBestOnTwoLinks) {
       }
     const BucketCaps chosen = choose_caps(p, cost, grid);
     size_t n = 0;
-    const double got = replay(bytes, p.ready_ns, p.end_ns, chosen.first_bytes, chosen.bytes, cost.alpha_ns,
-                              cost.beta_ns_per_byte, &n);
+    const double got =
+        replay(bytes, p.ready_ns, p.end_ns, chosen.first_bytes, chosen.bytes, cost.alpha_ns, cost.beta_ns_per_byte, &n);
     std::cout << "alpha " << cost.alpha_ns / 1e3 << " us, beta " << cost.beta_ns_per_byte << " ns/B: chose "
               << chosen.first_bytes / 1024 << "/" << chosen.bytes / 1024 << " KiB, " << n << " buckets, exposed "
               << got / 1e3 << " us; exhaustive best " << best / 1e3 << " us with " << best_buckets << " buckets\n";

@@ -38,12 +38,13 @@ LinkCost fit_link_cost(const std::vector<std::pair<int64_t, double>>& samples) {
 
 LinkCost measure_all_reduce_cost(Communicator& comm, c10::Device device, const std::vector<int64_t>& sizes_bytes,
                                  int repeats) {
-  if (repeats < 1) throw std::invalid_argument("measure_all_reduce_cost: expected repeats >= 1; got " +
-                                               std::to_string(repeats));
+  if (repeats < 1)
+    throw std::invalid_argument("measure_all_reduce_cost: expected repeats >= 1; got " + std::to_string(repeats));
   std::vector<std::pair<int64_t, double>> samples;
   for (int64_t bytes : sizes_bytes) {
-    if (bytes < 4) throw std::invalid_argument("measure_all_reduce_cost: expected sizes of at least 4 bytes; got " +
-                                               std::to_string(bytes));
+    if (bytes < 4)
+      throw std::invalid_argument("measure_all_reduce_cost: expected sizes of at least 4 bytes; got " +
+                                  std::to_string(bytes));
     at::Tensor t = at::ones({bytes / 4}, at::TensorOptions().dtype(at::kFloat).device(device));
     comm.all_reduce(t, ReduceOp::kAvg).wait();  // warm-up: connections, buffers
     std::vector<double> ns;

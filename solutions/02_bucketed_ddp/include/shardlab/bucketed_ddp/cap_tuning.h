@@ -32,8 +32,8 @@ namespace shardlab::bucketed_ddp {
 
 /// What one all-reduce of `bytes` costs, modelled as alpha + beta * bytes.
 struct LinkCost {
-  double alpha_ns = 0;           ///< fixed cost per collective
-  double beta_ns_per_byte = 0;   ///< cost per byte of payload
+  double alpha_ns = 0;          ///< fixed cost per collective
+  double beta_ns_per_byte = 0;  ///< cost per byte of payload
   double ns(int64_t bytes) const { return alpha_ns + beta_ns_per_byte * static_cast<double>(bytes); }
 };
 
