@@ -51,11 +51,16 @@ std::vector<WaitRecord> CommRecorder::waits() const {
   if (busy_.empty()) return waits_;
   std::vector<std::pair<int64_t, int64_t>> busy = busy_;
   std::sort(busy.begin(), busy.end());
+  int64_t max_busy = 0;  // the longest busy span: none starting earlier than a wait minus it can reach into the wait
+  for (const auto& [a, b] : busy) max_busy = std::max(max_busy, b - a);
   std::vector<WaitRecord> out;
   for (const auto& w : waits_) {
     int64_t from = w.start_ns;
-    for (const auto& [a, b] : busy) {
-      if (b <= from || a >= w.end_ns) continue;
+    // Busy spans sorted by start: skip those that begin before the wait can hold them, stop at the first after it.
+    for (auto it = std::lower_bound(busy.begin(), busy.end(), std::make_pair(w.start_ns - max_busy, int64_t{0}));
+         it != busy.end() && it->first < w.end_ns; ++it) {
+      const auto [a, b] = *it;
+      if (b <= from) continue;
       if (a > from) out.push_back({w.what, from, a});
       from = std::max(from, b);
     }

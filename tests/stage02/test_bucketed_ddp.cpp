@@ -9,6 +9,7 @@
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/device.h"
+#include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
 #include "support/train_replica.h"
@@ -553,6 +554,66 @@ TEST(BucketedDDP, UnusedParameterIsAnErrorThatNamesIt) {
     std::cout << "rank " << r << ": " << errors[r] << "\n";
     EXPECT_NE(errors[r].find("'sometimes'"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("find_unused_parameters"), std::string::npos) << errors[r];
+  }
+}
+
+// Invariant 5 of task 4: a backward that throws after some buckets were launched leaves them in flight; the next
+// forward must wait for every one (wait_launched) before the machine starts afresh, and the next step must average
+// exactly. Waiting is what finishes an average (Gloo has no AVG: the Communicator sums and divides in wait(), see
+// Note [Fallbacks]), so an empty wait_launched leaves the launched buckets holding the ranks' sum, not their mean.
+TEST(BucketedDDP, TheForwardAfterABackwardThatThrewSettlesTheBucketsItLaunched) {
+  std::vector<size_t> launched(2), completed(2);
+  std::vector<std::vector<at::Tensor>> own_aborted(2), settled(2), own_next(2), next(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 13);
+        Options options;
+        options.caps = mlp_caps(3);  // [fc2.*] [fc1.*] [fc0.*]: the first two are out before fc0's gradients
+        options.rebuild_buckets = false;
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset("mlp", 13);
+        const auto params = trainable_parameters(*model);
+        const Batch aborted = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+        const Batch after = rank_slice(data->global_batch(1, 8), comm.rank(), 2);
+        own_aborted[comm.rank()] = test_support::local_gradients(*model, aborted, params);
+        own_next[comm.rank()] = test_support::local_gradients(*model, after, params);
+        // fc0.weight is the last gradient backward reaches: throw there, after the later layers' buckets launched.
+        const unsigned hook = params.front().register_hook(
+            [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("injected failure in backward"); });
+        const size_t mark = comm.recorder().size();
+        EXPECT_THROW(ddp.loss(aborted).backward(), std::exception);
+        params.front().remove_hook(hook);
+        launched[comm.rank()] = comm.recorder().size() - mark;
+        at::Tensor loss = ddp.loss(after);  // settles the aborted backward first
+        size_t done = 0;
+        for (const auto& r : comm.recorder().since(mark)) done += r.end_ns != 0 ? 1 : 0;
+        completed[comm.rank()] = done;
+        for (const auto& p : params) settled[comm.rank()].push_back(p.grad().clone());
+        for (const auto& p : params) p.grad().zero_();  // the optimizer's zero_grad, once nothing writes there
+        loss.backward();
+        for (const auto& p : params) next[comm.rank()].push_back(p.grad().clone());
+      },
+      test_group());
+  for (int r = 0; r < 2; ++r) {
+    std::cout << "rank " << r << ": the aborted backward launched " << launched[r] << " buckets, " << completed[r]
+              << " complete after the next forward\n";
+    EXPECT_EQ(launched[r], 2u) << "the test needs buckets in flight when backward throws";
+    EXPECT_EQ(completed[r], launched[r]) << "the forward must wait for every bucket the aborted backward launched";
+    // mlp parameters: 0 fc0.w, 1 fc0.b, 2 fc1.w, 3 fc1.b, 4 fc2.w, 5 fc2.b; the two launched buckets hold 2-5.
+    for (size_t i = 2; i < 6; ++i) {
+      const at::Tensor want = test_support::mean_of_two(own_aborted[0][i], own_aborted[1][i]);
+      EXPECT_TRUE(at::equal(settled[r][i], want))
+          << "rank " << r << " parameter " << i << ": after the settling forward .grad() is not the average (max diff "
+          << test_support::max_diff(settled[r][i], want) << "; to the ranks' sum "
+          << test_support::max_diff(settled[r][i], own_aborted[0][i] + own_aborted[1][i]) << ")";
+    }
+    for (size_t i = 0; i < next[r].size(); ++i) {
+      const at::Tensor want = test_support::mean_of_two(own_next[0][i], own_next[1][i]);
+      EXPECT_TRUE(at::equal(next[r][i], want))
+          << "rank " << r << " parameter " << i << ": the next backward's gradient differs from the average by "
+          << test_support::max_diff(next[r][i], want);
+    }
   }
 }
 

@@ -148,8 +148,15 @@ TEST(CapTuning, BucketedDDPProfilesItsBackwardAndTakesNewCaps) {
           EXPECT_LE(p.ready_ns[p.order[k - 1]], p.ready_ns[p.order[k]]) << "ready times follow the ready order";
         EXPECT_LE(p.ready_ns[p.order.back()], p.end_ns);
         const size_t before = ddp.buckets().size();
+        std::vector<at::Tensor> grads;
+        for (const auto& p : ddp.parameters()) grads.push_back(p.grad().clone());
         ddp.set_caps({1 << 20, 1 << 20});
         EXPECT_EQ(ddp.buckets().size(), before) << "nothing changes before the next forward";
+        ddp.loss(rank_slice(data->global_batch(1, 8), comm.rank(), 2));  // lays the buckets out again
+        ASSERT_EQ(ddp.buckets().size(), 1u);
+        for (size_t i = 0; i < grads.size(); ++i)
+          EXPECT_TRUE(at::equal(ddp.parameters()[i].grad(), grads[i])) << "gradient " << i << " survives the re-layout";
+        if (comm.rank() == 0) EXPECT_EQ(ddp.buckets()[0].params, p.order) << "laid out in rank 0's ready order";
         step(1);
         EXPECT_EQ(ddp.buckets().size(), 1u) << "caps of 1 MiB hold the whole tiny GPT";
         EXPECT_EQ(ddp.caps().first_bytes, 1 << 20);

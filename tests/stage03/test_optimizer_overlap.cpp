@@ -180,6 +180,62 @@ TEST(OptimizerOverlapOrder, EachBucketIsSteppedAfterItsReductionInBucketOrder) {
       test_group());
 }
 
+// A backward that fails (the edge model's `sometimes` has no gradient on odd steps, and find_unused_parameters is
+// off) or is cut short (an exception in backward) must step nothing, although its buckets are still waited for.
+TEST(OptimizerOverlapOrder, NothingIsSteppedWhenBackwardFailsOrIsCutShort) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("edge", 14);
+        const auto params = trainable_parameters(*model);
+        auto overlapped = std::make_shared<OverlappedOptimizer>(
+            params, [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.05); });
+        Options options;
+        options.caps = {64, 128};
+        options.reducer = hook_then_optimizer(nullptr, overlapped);
+        BucketedDDP ddp(model, comm, options);
+        auto data = make_dataset("edge", 14);
+        auto snapshot = [&] {
+          std::vector<at::Tensor> out;
+          for (const auto& p : params) out.push_back(p.detach().clone());
+          return out;
+        };
+        auto unchanged = [&](const std::vector<at::Tensor>& before) {
+          for (size_t i = 0; i < params.size(); ++i)
+            if (!at::equal(params[i], before[i])) return false;
+          return true;
+        };
+        // Step 0 (even): complete, every bucket stepped.
+        overlapped->zero_grad();
+        ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();
+        const size_t after_complete = overlapped->log().size();
+        EXPECT_GT(after_complete, 0u);
+        // Step 1 (odd): `sometimes` gets no gradient, backward throws; nothing may move.
+        std::vector<at::Tensor> before = snapshot();
+        overlapped->zero_grad();
+        EXPECT_THROW(ddp.loss(rank_slice(data->global_batch(1, 8), comm.rank(), 2)).backward(), std::runtime_error);
+        EXPECT_EQ(overlapped->log().size(), after_complete) << "a failed backward stepped a bucket";
+        EXPECT_TRUE(unchanged(before)) << "a failed backward changed parameters";
+        // Step 2 (even), cut short by an exception in backward: the next forward settles it without stepping.
+        const unsigned hook = params.front().register_hook(
+            [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("injected failure in backward"); });
+        overlapped->zero_grad();
+        EXPECT_THROW(ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward(), std::exception);
+        params.front().remove_hook(hook);
+        at::Tensor loss = ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2));  // settles
+        EXPECT_EQ(overlapped->log().size(), after_complete) << "a backward cut short stepped a bucket";
+        EXPECT_TRUE(unchanged(before)) << "a backward cut short changed parameters";
+        overlapped->zero_grad();
+        loss.backward();
+        EXPECT_GT(overlapped->log().size(), after_complete) << "the next complete backward steps again";
+        EXPECT_FALSE(unchanged(before));
+        if (comm.rank() == 0)
+          std::cout << "complete backward: " << after_complete << " bucket steps; failed and cut-short backwards: 0; "
+                    << "next complete: " << overlapped->log().size() - after_complete << "\n";
+      },
+      test_group());
+}
+
 TEST(OptimizerOverlapOrder, RefusesWhatCannotBeSteppedBucketByBucket) {
   const std::vector<at::Tensor> params{at::zeros({4}, at::requires_grad()), at::zeros({2}, at::requires_grad())};
   auto sgd = [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.1); };

@@ -24,6 +24,9 @@ def expect(cmd, code, needle):
 
 expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy expects one of single|naive_ddp|bucketed_ddp|")
 expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb expects an integer in [1, ")
+expect([shardlab, "train", "--strategy", "fsdp", "--bucket-cap-kb", "auto"], 2,
+       "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the hook_* strategies; got "
+       "strategy 'fsdp'")
 expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat expects an integer in [1, 20]; got '0'")
 expect([shardlab, "train", "--world-size", "0"], 2, "--world-size expects an integer in [1, 64]; got '0'")
 expect([shardlab, "train", "--steps", "ten"], 2, "--steps expects an integer")

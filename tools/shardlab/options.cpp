@@ -57,6 +57,11 @@ std::string one_of(const std::string& flag, const std::string& value, const std:
   throw std::invalid_argument(flag + " expects one of " + list + "; got '" + value + "'");
 }
 
+// The strategies --bucket-cap-kb auto applies to: those built on stage 02's BucketedDDP.
+bool has_buckets(const std::string& strategy) {
+  return strategy == "bucketed_ddp" || strategy == "overlap_optimizer" || strategy.rfind("hook_", 0) == 0;
+}
+
 }  // namespace
 
 RunOptions parse_options(const std::vector<std::string>& args, bool allow_strategy) {
@@ -152,6 +157,11 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       throw std::invalid_argument("--json expects a file in a directory it can write; got '" + o.json +
                                   "' (directory '" + dir.string() + "' is not writable)");
   }
+  if (o.strategy_options.auto_caps && allow_strategy && !has_buckets(o.strategy))
+    throw std::invalid_argument(
+        "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
+        "hook_* strategies; got strategy '" +
+        o.strategy + "', which has none");
   return o;
 }
 
@@ -159,43 +169,44 @@ std::vector<std::string> to_args(const RunOptions& o) {
   std::ostringstream lr;
   lr.precision(17);
   lr << o.train.lr;
-  std::vector<std::string> args{
-      "--strategy",
-      o.strategy,
-      "--world-size",
-      std::to_string(o.world_size),
-      "--model",
-      o.train.model,
-      "--steps",
-      std::to_string(o.train.steps),
-      "--global-batch",
-      std::to_string(o.train.global_batch),
-      "--seed",
-      std::to_string(o.train.seed),
-      "--optimizer",
-      o.train.optimizer,
-      "--lr",
-      lr.str(),
-      "--micro-batches",
-      std::to_string(o.train.micro_batches),
-      "--result-dir",
-      o.result_dir,
-      "--bucket-cap-kb",
-      o.strategy_options.auto_caps ? std::string("auto") : std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
-      "--first-bucket-kb",
-      std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
-      "--threads",
-      std::to_string(o.threads),
-      "--device",
-      o.train.device,
-      "--backend",
-      o.backend,
-      "--layers",
-      std::to_string(o.train.layers),
-      "--dim",
-      std::to_string(o.train.dim),
-      "--reshard-after-forward",
-      o.strategy_options.reshard_after_forward ? "true" : "false"};
+  std::vector<std::string> args{"--strategy",
+                                o.strategy,
+                                "--world-size",
+                                std::to_string(o.world_size),
+                                "--model",
+                                o.train.model,
+                                "--steps",
+                                std::to_string(o.train.steps),
+                                "--global-batch",
+                                std::to_string(o.train.global_batch),
+                                "--seed",
+                                std::to_string(o.train.seed),
+                                "--optimizer",
+                                o.train.optimizer,
+                                "--lr",
+                                lr.str(),
+                                "--micro-batches",
+                                std::to_string(o.train.micro_batches),
+                                "--result-dir",
+                                o.result_dir,
+                                "--bucket-cap-kb",
+                                o.strategy_options.auto_caps && has_buckets(o.strategy)
+                                    ? std::string("auto")
+                                    : std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+                                "--first-bucket-kb",
+                                std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
+                                "--threads",
+                                std::to_string(o.threads),
+                                "--device",
+                                o.train.device,
+                                "--backend",
+                                o.backend,
+                                "--layers",
+                                std::to_string(o.train.layers),
+                                "--dim",
+                                std::to_string(o.train.dim),
+                                "--reshard-after-forward",
+                                o.strategy_options.reshard_after_forward ? "true" : "false"};
   for (const auto& [flag, value] :
        {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
         {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {

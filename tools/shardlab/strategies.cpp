@@ -256,6 +256,10 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
     const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
     const bucketed_ddp::BucketCaps before = ddp.caps();
     bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost);
+    // The grid may not hold the caps in use: keep them unless the model rates the choice better.
+    if (bucketed_ddp::modelled_exposed_ns(profile, chosen, cost) >=
+        bucketed_ddp::modelled_exposed_ns(profile, before, cost))
+      chosen = before;
     at::Tensor wire = at::tensor({chosen.first_bytes, chosen.bytes}, at::kLong).to(device_);
     comm_.broadcast(wire, 0).wait();
     wire = wire.cpu();

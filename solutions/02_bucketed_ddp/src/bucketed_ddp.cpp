@@ -9,11 +9,27 @@
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <algorithm>
 #include <numeric>
 #include <stdexcept>
 #include <unordered_set>
 
 namespace shardlab::bucketed_ddp {
+namespace {
+// Note [Settling a complete backward]: true on the thread running finish_sync while it waits for the buckets of a
+// backward that will succeed. A reducer's continuation (stage 03's optimizer step) runs inside those waits; the
+// same waits after a backward that failed or was cut short (loss(), the destructor) must not step anything.
+thread_local bool settling_complete = false;
+
+struct SettlingScope {
+  explicit SettlingScope(bool complete) { settling_complete = complete; }
+  ~SettlingScope() { settling_complete = false; }
+  SettlingScope(const SettlingScope&) = delete;
+  SettlingScope& operator=(const SettlingScope&) = delete;
+};
+}  // namespace
+
+bool settling_a_complete_backward() { return settling_complete; }
 
 BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options)
     : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
@@ -135,10 +151,17 @@ void BucketedDDP::attach_grad(size_t i) {
 at::Tensor BucketedDDP::loss(const Batch& batch) {
   const bool aborted = readiness_->forget_pending_end();  // its end-of-backward callback never ran
   if (in_sync_ || aborted) {
-    // The last backward was cut short (see in_sync_): wait for what it launched and start afresh.
+    // The last backward was cut short (see in_sync_): wait for what it launched and start afresh, also when that
+    // wait fails (a peer never came): the next backward must not inherit half a machine.
     in_sync_ = false;
-    wait_launched();
+    std::exception_ptr error;
+    try {
+      wait_launched();
+    } catch (...) {
+      error = std::current_exception();
+    }
     reset_iteration();
+    if (error) std::rethrow_exception(error);
   }
   // A forward without grad (evaluation, maybe on one rank only) must not run the rebuild's collective.
   const bool training = at::GradMode::is_enabled();
@@ -172,7 +195,13 @@ void BucketedDDP::mark_unused_from_graph(const at::Tensor& loss) {
   loss.register_hook([this, alive, unused](const at::Tensor&) {
     if (alive.expired() || !sync_enabled_) return;
     begin_backward();
-    for (size_t i : unused) mark_ready(i);  // the loss's hook runs first in backward: none of them is marked yet
+    for (size_t i : unused) {
+      // Normally none is ready yet (backward starts at the loss), but a backward of `loss + f(p)` may have
+      // accumulated p's gradient already.
+      if (ready_ns_[i] != 0) continue;
+      ready_ns_[i] = now_ns();
+      mark_ready(i);
+    }
   });
 }
 
@@ -205,7 +234,13 @@ Handle BucketedDDP::reduce(const Bucket& bucket) {
 void BucketedDDP::finish_sync() {
   compute_end_ns_ = now_ns();
   const int64_t wait_start = now_ns();
-  const std::vector<size_t> unused = finish_backward();
+  // Complete: every parameter's gradient came, or find_unused_parameters makes the missing ones zero.
+  const bool complete = options_.find_unused_parameters || backward_order_.size() == params_.size();
+  std::vector<size_t> unused;
+  {
+    SettlingScope scope(complete);
+    unused = finish_backward();
+  }
   in_sync_ = false;
   comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
   // A parameter without gradient is an error only now: finish_backward reduced its slot as it was, because another
@@ -228,13 +263,15 @@ void BucketedDDP::finish_sync() {
   ready_order_ = backward_order_;
   last_ready_ns_ = ready_ns_;
   for (auto& t : last_ready_ns_)
-    if (t == 0) t = compute_end_ns_;  // found unused: its slot was ready when compute ended
+    if (t == 0) t = compute_end_ns_;  // found unused at the end: its slot was ready when compute ended
+  // Compute ended with the last gradient; the end-of-backward callback may start later on a busy machine.
+  last_end_ns_ = *std::max_element(last_ready_ns_.begin(), last_ready_ns_.end());
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
 }
 
 BackwardProfile BucketedDDP::last_backward_profile() const {
   if (ready_order_.empty()) return {};
-  return {params_, last_ready_ns_, ready_order_, compute_end_ns_};
+  return {params_, last_ready_ns_, ready_order_, last_end_ns_};
 }
 
 void BucketedDDP::set_caps(BucketCaps caps) {
@@ -297,7 +334,7 @@ std::vector<size_t> BucketedDDP::finish_backward() {
 }
 
 void BucketedDDP::wait_launched() {
-  // BEGIN SOLUTION(02, keep): wait for the buckets launched so far
+  // BEGIN SOLUTION(02): wait for the buckets launched so far
   std::vector<Handle> handles = std::move(handles_);
   handles_.clear();
   if (std::exception_ptr error = wait_all(handles)) std::rethrow_exception(error);

@@ -85,9 +85,15 @@ bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer redu
     // not block that thread: it belongs in the handle's continuation, which runs inside wait() at the end of
     // backward, bucket after bucket in launch order.
     optimizer->report_to(comm.recorder());  // its steps are work inside the end-of-backward wait, not waiting
-    // BEGIN SOLUTION(03): start the bucket's reduction (the plain average when `reduce` is null); step it once it lands
+    // The step, for the handle's continuation. Only a backward that completes steps: after one that failed (a
+    // missing gradient) or was cut short, the same waits run in loss() or the destructor, and nothing may change.
+    std::function<void()> step = [optimizer, bucket] {
+      if (bucketed_ddp::settling_a_complete_backward()) optimizer->step_bucket(bucket);
+    };
+    // BEGIN SOLUTION(03): start the bucket's reduction (the plain average when `reduce` is null); run `step` once it
+    // lands
     Handle handle = reduce ? reduce(comm, bucket) : comm.all_reduce(bucket, ReduceOp::kAvg);
-    return std::move(handle).then([optimizer, bucket] { optimizer->step_bucket(bucket); });
+    return std::move(handle).then(std::move(step));
     // END SOLUTION
   };
 }

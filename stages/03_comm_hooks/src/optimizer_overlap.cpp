@@ -75,8 +75,13 @@ bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer redu
     // not block that thread: it belongs in the handle's continuation, which runs inside wait() at the end of
     // backward, bucket after bucket in launch order.
     optimizer->report_to(comm.recorder());  // its steps are work inside the end-of-backward wait, not waiting
-    // TODO(stage03): start the bucket's reduction (the plain average when `reduce` is null); step it once it lands
-    throw ::shardlab::NotImplemented("03", "start the bucket's reduction (the plain average when `reduce` is null); step it once it lands");
+    // The step, for the handle's continuation. Only a backward that completes steps: after one that failed (a
+    // missing gradient) or was cut short, the same waits run in loss() or the destructor, and nothing may change.
+    std::function<void()> step = [optimizer, bucket] {
+      if (bucketed_ddp::settling_a_complete_backward()) optimizer->step_bucket(bucket);
+    };
+    // TODO(stage03): start the bucket's reduction (the plain average when `reduce` is null); run `step` once it
+    throw ::shardlab::NotImplemented("03", "start the bucket's reduction (the plain average when `reduce` is null); run `step` once it");
   };
 }
 

@@ -49,6 +49,12 @@ struct Options {
   BucketReducer reducer;                ///< null: `comm.all_reduce(bucket, ReduceOp::kAvg)`
 };
 
+/// True while BucketedDDP waits for the buckets of a backward that completes (every gradient came, or the missing
+/// ones are allowed), on the thread doing so; false in every other wait (a backward that failed or was cut short,
+/// the destructor). A reducer's continuation that must only run for a complete backward (stage 03's optimizer
+/// step) checks it. See Note [Settling a complete backward] in bucketed_ddp.cpp.
+bool settling_a_complete_backward();
+
 /// One bucket: a contiguous slice of the flat gradient buffer of its dtype.
 struct Bucket {
   c10::ScalarType dtype;       ///< dtype of every parameter in it
@@ -145,8 +151,8 @@ class BucketedDDP {
   // synchronized backward; nothing here waits except finish_backward and wait_launched; every rank issues the same
   // collectives in the same order in every backward, whatever its own gradients did.
 
-  /// Starts a fresh backward over `buckets_` (nothing ready, nothing launched). Called after every layout and after
-  /// every settled backward; never communicates.
+  /// Starts a fresh backward over `buckets_` (nothing ready, nothing launched); never communicates. The given code
+  /// calls it after every layout and after a backward cut short; your finish_backward calls it too.
   void reset_iteration();
   /// Parameter `index`'s gradient is final in its slot for this synchronized backward: launches (`reduce`) every
   /// bucket that may now go, in bucket order, without waiting.
@@ -172,6 +178,7 @@ class BucketedDDP {
   std::vector<size_t> backward_order_;  // the synchronized backward running now
   std::vector<int64_t> ready_ns_;       // per parameter: when it became ready in the backward running now
   std::vector<int64_t> last_ready_ns_;  // the same for the last synchronized backward that completed
+  int64_t last_end_ns_ = 0;             // its latest ready time: when its compute ended
   bool rebuild_pending_ = false;
   bool rebuilt_ = false;
   // True from the first synchronized gradient of a backward until finish_sync has settled that backward. Still true

@@ -83,7 +83,9 @@ class OverlappedOptimizer {
 /// when its handle has landed, `optimizer->step_bucket` of that bucket, in the handle's continuation. Buckets are
 /// waited for in launch order at the end of backward, so bucket k's parameters are updated while buckets after k
 /// are still in flight, and backward returns with every parameter updated: do not call an optimizer step after it.
-/// Inside `no_sync` no bucket is reduced, hence nothing is stepped: only the synchronized backward steps.
+/// Inside `no_sync` no bucket is reduced, hence nothing is stepped: only the synchronized backward steps. A
+/// backward that fails (a parameter without gradient) or is cut short (an exception) steps nothing: its buckets are
+/// still waited for (bucketed_ddp::settling_a_complete_backward() is false then), the parameters stay as they were.
 /// @throws std::invalid_argument for a null optimizer.
 bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer reduce,
                                                 std::shared_ptr<OverlappedOptimizer> optimizer);
