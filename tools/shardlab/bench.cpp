@@ -315,17 +315,19 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   targets << "- bucketed DDP exposed communication = " << fmt(exposed, 0) << " % of its communication time (target "
           << "<= 25 %): " << (exposed <= 25 ? "met" : "MISSED by " + fmt(exposed - 25, 0) + " points") << "; "
           << fmt(pct(bucketed->exposed_comm_ms_per_step, bucketed->step_time_ms), 0) << " % of its step time\n";
-  // Issue 11's targets, for the optimizer overlapped with the all-reduces.
-  const RunReport* overlap = &rows[2];
-  if (torch.ok) {
-    const double ratio = overlap->step_time_ms / torch.step_ms;
-    targets << "- overlapped optimizer step time / PyTorch DDP = " << fmt(ratio, 2)
-            << " (target <= 0.75): " << (ratio <= 0.75 ? "met" : "MISSED by " + fmt(ratio - 0.75, 2)) << "\n";
+  // Issue 11's targets, for the optimizer overlapped with the all-reduces: with the bench's caps and with auto caps.
+  for (const RunReport* overlap : {&rows[2], &rows[4]}) {
+    if (torch.ok) {
+      const double ratio = overlap->step_time_ms / torch.step_ms;
+      targets << "- " << overlap->strategy << " step time / PyTorch DDP = " << fmt(ratio, 2) << " (target <= 0.75): "
+              << (ratio <= 0.75 ? "met" : "MISSED by " + fmt(ratio - 0.75, 2)) << "\n";
+    }
+    const double exposed = pct(overlap->exposed_comm_ms_per_step, overlap->comm_busy_ms_per_step);
+    targets << "- " << overlap->strategy << " exposed communication = " << fmt(exposed, 0)
+            << " % of its communication time (target <= 25 %): "
+            << (exposed <= 25 ? "met" : "MISSED by " + fmt(exposed - 25, 0) + " points") << "; "
+            << fmt(pct(overlap->exposed_comm_ms_per_step, overlap->step_time_ms), 0) << " % of its step time\n";
   }
-  const double overlap_exposed = pct(overlap->exposed_comm_ms_per_step, overlap->comm_busy_ms_per_step);
-  targets << "- overlapped optimizer exposed communication = " << fmt(overlap_exposed, 0)
-          << " % of its communication time (target <= 25 %): "
-          << (overlap_exposed <= 25 ? "met" : "MISSED by " + fmt(overlap_exposed - 25, 0) + " points") << "\n";
   for (size_t i = 0; i < kRows.size(); ++i)
     if (kRows[i].auto_caps && rows[i].auto_caps.size() == 6)
       targets << "- " << rows[i].strategy << " chose " << fmt(rows[i].auto_caps[0] / 1024, 0) << " KiB first, "

@@ -190,9 +190,7 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 "--result-dir",
                                 o.result_dir,
                                 "--bucket-cap-kb",
-                                o.strategy_options.auto_caps && has_buckets(o.strategy)
-                                    ? std::string("auto")
-                                    : std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
+                                std::to_string(o.strategy_options.bucket_cap_bytes / 1024),
                                 "--first-bucket-kb",
                                 std::to_string(o.strategy_options.first_bucket_cap_bytes / 1024),
                                 "--threads",
@@ -213,6 +211,11 @@ std::vector<std::string> to_args(const RunOptions& o) {
     if (value.empty()) continue;
     args.push_back(flag);
     args.push_back(value);
+  }
+  // After the cap itself, which stays the cap auto starts from (parse_options reads the flags in order).
+  if (o.strategy_options.auto_caps && has_buckets(o.strategy)) {
+    args.push_back("--bucket-cap-kb");
+    args.push_back("auto");
   }
   if (!o.trace_dir.empty()) {
     args.push_back("--trace");

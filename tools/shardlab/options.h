@@ -12,7 +12,8 @@ namespace shardlab::cli {
 struct StrategyOptions {
   int64_t bucket_cap_bytes = int64_t{25} << 20;       ///< --bucket-cap-kb: cap of every bucket after the first
   int64_t first_bucket_cap_bytes = int64_t{1} << 20;  ///< --first-bucket-kb: cap of the first bucket
-  bool auto_caps = false;             ///< --bucket-cap-kb auto: both caps chosen by stage 02's cost model after step 2
+  bool auto_caps =
+      false;  ///< --bucket-cap-kb auto: both caps chosen by stage 02's cost model after step 2, from the caps above
   bool reshard_after_forward = true;  ///< --reshard-after-forward true|false (FSDP units)
   std::string param_dtype;            ///< --param-dtype (FSDP; "" = the parameters' own)
   std::string reduce_dtype;           ///< --reduce-dtype (FSDP; "" = the param dtype)
