@@ -319,8 +319,8 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   for (const RunReport* overlap : {&rows[2], &rows[4]}) {
     if (torch.ok) {
       const double ratio = overlap->step_time_ms / torch.step_ms;
-      targets << "- " << overlap->strategy << " step time / PyTorch DDP = " << fmt(ratio, 2) << " (target <= 0.75): "
-              << (ratio <= 0.75 ? "met" : "MISSED by " + fmt(ratio - 0.75, 2)) << "\n";
+      targets << "- " << overlap->strategy << " step time / PyTorch DDP = " << fmt(ratio, 2)
+              << " (target <= 0.75): " << (ratio <= 0.75 ? "met" : "MISSED by " + fmt(ratio - 0.75, 2)) << "\n";
     }
     const double exposed = pct(overlap->exposed_comm_ms_per_step, overlap->comm_busy_ms_per_step);
     targets << "- " << overlap->strategy << " exposed communication = " << fmt(exposed, 0)
