@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <stdexcept>
 #include <vector>
 
 namespace shardlab::test_support {
@@ -28,6 +29,23 @@ inline at::Tensor mean_of_two(const at::Tensor& a, const at::Tensor& b) { return
 /// Largest |a - b| (0 for two empty tensors): the difference a failing exact check prints.
 inline double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return a.numel() == 0 ? 0.0 : (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+/// Runs `backward()` with a gradient hook on `param` that throws, so backward stops where it reaches `param`:
+/// gradients autograd reached before were accumulated (their ready hooks ran, their collectives launched), the
+/// rest not. Removes the hook again. Returns whether `backward()` threw, as it must.
+template <typename Backward>
+bool backward_cut_short_at(const at::Tensor& param, Backward backward) {
+  const unsigned hook = param.register_hook(
+      [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("injected failure in backward"); });
+  bool threw = false;
+  try {
+    backward();
+  } catch (const std::exception&) {
+    threw = true;
+  }
+  param.remove_hook(hook);
+  return threw;
 }
 
 }  // namespace shardlab::test_support

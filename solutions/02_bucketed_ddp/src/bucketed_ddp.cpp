@@ -22,10 +22,13 @@ namespace {
 thread_local bool settling_complete = false;
 
 struct SettlingScope {
-  explicit SettlingScope(bool complete) { settling_complete = complete; }
-  ~SettlingScope() { settling_complete = false; }
+  explicit SettlingScope(bool complete) : previous_(settling_complete) { settling_complete = complete; }
+  ~SettlingScope() { settling_complete = previous_; }
   SettlingScope(const SettlingScope&) = delete;
   SettlingScope& operator=(const SettlingScope&) = delete;
+
+ private:
+  bool previous_;
 };
 }  // namespace
 
@@ -261,11 +264,13 @@ void BucketedDDP::finish_sync() {
   for (size_t i = params_.size(); i-- > 0;)
     if (!listed[i]) backward_order_.push_back(i);
   ready_order_ = backward_order_;
+  // Compute ended with the last gradient (the end-of-backward callback may start later on a busy machine); a
+  // parameter found unused only at the end was ready then.
+  last_end_ns_ = *std::max_element(ready_ns_.begin(), ready_ns_.end());
+  if (last_end_ns_ == 0) last_end_ns_ = compute_end_ns_;
   last_ready_ns_ = ready_ns_;
   for (auto& t : last_ready_ns_)
-    if (t == 0) t = compute_end_ns_;  // found unused at the end: its slot was ready when compute ended
-  // Compute ended with the last gradient; the end-of-backward callback may start later on a busy machine.
-  last_end_ns_ = *std::max_element(last_ready_ns_.begin(), last_ready_ns_.end());
+    if (t == 0) t = last_end_ns_;
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
 }
 

@@ -90,8 +90,8 @@ bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer redu
     std::function<void()> step = [optimizer, bucket] {
       if (bucketed_ddp::settling_a_complete_backward()) optimizer->step_bucket(bucket);
     };
-    // BEGIN SOLUTION(03): start the bucket's reduction (the plain average when `reduce` is null); run `step` once it
-    // lands
+    // Without a `reduce`, the bucket's plain average (as BucketedDDP does).
+    // BEGIN SOLUTION(03): start the bucket's reduction; run `step` once it has landed
     Handle handle = reduce ? reduce(comm, bucket) : comm.all_reduce(bucket, ReduceOp::kAvg);
     return std::move(handle).then(std::move(step));
     // END SOLUTION

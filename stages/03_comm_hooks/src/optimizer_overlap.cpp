@@ -80,8 +80,9 @@ bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer redu
     std::function<void()> step = [optimizer, bucket] {
       if (bucketed_ddp::settling_a_complete_backward()) optimizer->step_bucket(bucket);
     };
-    // TODO(stage03): start the bucket's reduction (the plain average when `reduce` is null); run `step` once it
-    throw ::shardlab::NotImplemented("03", "start the bucket's reduction (the plain average when `reduce` is null); run `step` once it");
+    // Without a `reduce`, the bucket's plain average (as BucketedDDP does).
+    // TODO(stage03): start the bucket's reduction; run `step` once it has landed
+    throw ::shardlab::NotImplemented("03", "start the bucket's reduction; run `step` once it has landed");
   };
 }
 

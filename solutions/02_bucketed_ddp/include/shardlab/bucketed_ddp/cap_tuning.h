@@ -34,6 +34,7 @@ namespace shardlab::bucketed_ddp {
 struct LinkCost {
   double alpha_ns = 0;          ///< fixed cost per collective
   double beta_ns_per_byte = 0;  ///< cost per byte of payload
+  /// The modelled time of one all-reduce of `bytes`, in ns.
   double ns(int64_t bytes) const { return alpha_ns + beta_ns_per_byte * static_cast<double>(bytes); }
 };
 
@@ -53,9 +54,9 @@ LinkCost measure_all_reduce_cost(Communicator& comm, c10::Device device,
 /// ended (all times on one clock, e.g. now_ns()).
 struct BackwardProfile {
   std::vector<at::Tensor> params;  ///< only dtype, numel and element size are read
-  std::vector<int64_t> ready_ns;
-  std::vector<size_t> order;
-  int64_t end_ns = 0;
+  std::vector<int64_t> ready_ns;   ///< per parameter: when its gradient became ready
+  std::vector<size_t> order;       ///< the parameters in the order they became ready
+  int64_t end_ns = 0;              ///< when backward's compute ended
 };
 
 /// The modelled exposed communication (ns) of one backward with `caps`: buckets by `assign_buckets` over
@@ -64,6 +65,8 @@ double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, Link
 
 /// The caps to use: the pair from `grid` x `grid` (first cap, later cap; every value in bytes) whose modelled
 /// exposed time is least; ties go to fewer buckets, then to the larger first cap, then to the larger later cap.
+/// @param profile the backward to replay (BucketedDDP::last_backward_profile()).
+/// @param cost the group's all-reduce cost (measure_all_reduce_cost).
 /// @param grid candidate caps in bytes (default: powers of two from 1 KiB up to the first at or above all the
 ///        gradients' bytes).
 /// @throws std::invalid_argument for an empty profile or a non-positive candidate.

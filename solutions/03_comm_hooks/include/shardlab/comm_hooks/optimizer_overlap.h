@@ -45,6 +45,8 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
 class OverlappedOptimizer {
  public:
   /// One optimizer per parameter of `params` (trainable, registration order: BucketedDDP::parameters()).
+  /// @param params the parameters to step; their gradients must live in the buckets' flat buffers.
+  /// @param factory builds one optimizer over a list of parameters; called once per parameter.
   /// @param max_grad_norm a clipping norm; any value > 0 is refused (clipping by the global norm needs every
   ///        gradient before the first step, which is exactly what the overlap gives up).
   /// @throws std::invalid_argument for no parameters, a null factory or optimizer, an optimizer that is not
@@ -62,14 +64,15 @@ class OverlappedOptimizer {
 
   /// One entry per step_bucket call: which parameters it stepped, and when (now_ns) it began and ended.
   struct BucketStep {
-    std::vector<size_t> params;
-    int64_t start_ns = 0;
-    int64_t end_ns = 0;
+    std::vector<size_t> params;  ///< indices into the parameters, in order
+    int64_t start_ns = 0;        ///< now_ns() when the call began
+    int64_t end_ns = 0;          ///< now_ns() when it ended
   };
   /// Every step_bucket call so far, in order.
   const std::vector<BucketStep>& log() const { return log_; }
   /// The optimizer of parameter `index` (for checkpoints and tests).
   torch::optim::Optimizer& optimizer(size_t index) { return *optimizers_.at(index); }
+  /// How many parameters (and optimizers) there are.
   size_t size() const { return params_.size(); }
 
  private:
@@ -84,8 +87,11 @@ class OverlappedOptimizer {
 /// waited for in launch order at the end of backward, so bucket k's parameters are updated while buckets after k
 /// are still in flight, and backward returns with every parameter updated: do not call an optimizer step after it.
 /// Inside `no_sync` no bucket is reduced, hence nothing is stepped: only the synchronized backward steps. A
-/// backward that fails (a parameter without gradient) or is cut short (an exception) steps nothing: its buckets are
-/// still waited for (bucketed_ddp::settling_a_complete_backward() is false then), the parameters stay as they were.
+/// backward that fails (a parameter without gradient) or is cut short (an exception in backward) steps nothing: its
+/// buckets are still waited for (bucketed_ddp::settling_a_complete_backward() is false then), the parameters stay as
+/// they were. A collective that fails while a complete backward settles is different: the buckets before it were
+/// stepped, and wait_all goes on waiting for (and stepping) the rest before backward rethrows the failure. Waited
+/// for outside BucketedDDP's end of backward, the returned reducer's handles step nothing.
 /// @throws std::invalid_argument for a null optimizer.
 bucketed_ddp::BucketReducer hook_then_optimizer(bucketed_ddp::BucketReducer reduce,
                                                 std::shared_ptr<OverlappedOptimizer> optimizer);
