@@ -36,39 +36,44 @@ endfunction()
 # stage's CMakeLists.txt: target shardlab_<name> (alias shardlab::<name>, exported as <name>) built from SOURCES,
 # with the stage's include/ directory, linked PUBLIC to LINKS (the stages it builds on), installed and exported.
 #
-# Note [A starter's headers]: a stage built from its starter keeps its headers' include path under solutions/
-# when every header there is identical to the starter's (no region in a header). Everything that includes them
-# (later stages, tests, tools) then sees the same compile command in either build and is not recompiled when
-# tools/check-starter switches one stage to its starter; only the stage's own sources are. A stage whose
-# headers differ (a region in a header) uses its starter's headers, and what includes them is rebuilt.
+# Note [A starter's headers]
+# A stage's headers are found in two directories, in this order, whichever tree the stage is built from:
+#  1. ${CMAKE_BINARY_DIR}/stage_headers/NN_name: a copy of each header that differs between solutions/ and
+#     stages/ (one with a region: the student's private state), taken from the tree the stage is built from;
+#  2. solutions/NN_name/include: every other header (identical in both trees).
+# So the compile command of everything that includes a stage's headers (later stages, tests, tools) is the same in
+# either build, and switching one stage to its starter (tools/check-starter) recompiles only what includes a
+# header whose copy changed: configure_file rewrites a copy only when its content changes, and make compares the
+# copy's time. Later stages include the region-free headers (naive_ddp/no_sync.h, naive_ddp/broadcast_state.h,
+# bucketed_ddp/bucket_reducer.h), not the headers with regions, so they are not recompiled.
 function(shardlab_stage_headers out)
-  set(inc ${CMAKE_CURRENT_SOURCE_DIR}/include)
   file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
-  if(rel MATCHES "^stages/(.*)$")
-    set(reference ${PROJECT_SOURCE_DIR}/solutions/${CMAKE_MATCH_1}/include)
-    file(GLOB_RECURSE mine RELATIVE ${inc} CONFIGURE_DEPENDS ${inc}/*)
-    file(GLOB_RECURSE theirs RELATIVE ${reference} CONFIGURE_DEPENDS ${reference}/*)
-    list(SORT mine)
-    list(SORT theirs)
-    set(same OFF)
-    if(mine STREQUAL theirs)
-      set(same ON)
-      foreach(h IN LISTS mine)
-        # An edit of either copy re-runs the comparison.
-        set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${inc}/${h} ${reference}/${h})
-        file(SHA256 ${inc}/${h} a)
-        file(SHA256 ${reference}/${h} b)
-        if(NOT a STREQUAL b)
-          set(same OFF)
-          break()
-        endif()
-      endforeach()
+  string(REGEX REPLACE "^[^/]+/" "" dir "${rel}")
+  set(solution ${PROJECT_SOURCE_DIR}/solutions/${dir}/include)
+  set(starter ${PROJECT_SOURCE_DIR}/stages/${dir}/include)
+  set(copies ${CMAKE_BINARY_DIR}/stage_headers/${dir})
+  file(GLOB_RECURSE headers RELATIVE ${solution} CONFIGURE_DEPENDS ${solution}/*)
+  set(differing)
+  foreach(h IN LISTS headers)
+    if(EXISTS ${starter}/${h})
+      # An edit of either copy re-runs the comparison.
+      set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${solution}/${h} ${starter}/${h})
+      file(SHA256 ${solution}/${h} a)
+      file(SHA256 ${starter}/${h} b)
+      if(NOT a STREQUAL b)
+        list(APPEND differing ${h})
+        configure_file(${CMAKE_CURRENT_SOURCE_DIR}/include/${h} ${copies}/${h} COPYONLY)
+      endif()
     endif()
-    if(same)
-      set(inc ${reference})
+  endforeach()
+  file(MAKE_DIRECTORY ${copies})
+  file(GLOB_RECURSE present RELATIVE ${copies} ${copies}/*)
+  foreach(h IN LISTS present)  # a header that no longer differs is found under solutions/ again
+    if(NOT h IN_LIST differing)
+      file(REMOVE ${copies}/${h})
     endif()
-  endif()
-  set(${out} ${inc} PARENT_SCOPE)
+  endforeach()
+  set(${out} ${copies} ${solution} PARENT_SCOPE)
 endfunction()
 
 function(shardlab_stage_library name)
@@ -77,8 +82,11 @@ function(shardlab_stage_library name)
   add_library(shardlab::${name} ALIAS shardlab_${name})
   set_target_properties(shardlab_${name} PROPERTIES EXPORT_NAME ${name})
   shardlab_stage_headers(headers)  # see Note [A starter's headers]
+  list(GET headers 0 copies)
+  list(GET headers 1 solution)
   target_include_directories(shardlab_${name} PUBLIC
-    $<BUILD_INTERFACE:${headers}>
+    $<BUILD_INTERFACE:${copies}>
+    $<BUILD_INTERFACE:${solution}>
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
   target_link_libraries(shardlab_${name} PUBLIC ${S_LINKS})
   target_compile_options(shardlab_${name} PRIVATE -Wall -Wextra)

@@ -1,6 +1,7 @@
 // Stage 03 — communication hooks. N ranks (threads, real Gloo): the fp32 all-reduce hook plugged into stage 02's
 // BucketedDDP must change nothing (bit for bit); the fp16 / bf16 hooks must compute exactly what their casts say,
 // train close to the fp32 single-device reference, and halve the bytes on the wire where the backend can.
+#include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"

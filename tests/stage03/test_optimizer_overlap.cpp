@@ -1,6 +1,7 @@
 // Stage 03 — the optimizer overlapped with communication. Stepping each bucket's parameters as soon as the bucket's
 // average lands must give exactly what one optimizer step after backward gives (bit for bit: the same arithmetic
 // per parameter), step buckets in bucket order, each after its reduction, and only on the synchronized backward.
+#include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/comm_hooks/optimizer_overlap.h"
 #include "shardlab/common/compat.h"

@@ -1,6 +1,7 @@
 #include "shardlab/fsdp/fsdp.h"
 
 #include "shardlab/common/errors.h"
+#include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/core/grad_mode.h>
 #include <c10/core/TensorImpl.h>

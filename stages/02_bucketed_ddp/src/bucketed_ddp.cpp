@@ -3,6 +3,7 @@
 #include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
+#include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>

@@ -4,7 +4,7 @@
 #include "shardlab/common/flat_storage.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/grad_mode.h>
+#include <ATen/core/grad_mode.h>
 
 #include <stdexcept>
 
@@ -78,7 +78,7 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   sharded_grad_storage_.assign(params_.size(), nullptr);
   sharded_grad_bytes_.assign(params_.size(), 0);
 
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
   gathered_ = at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
   // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered
@@ -141,7 +141,7 @@ int64_t FsdpUnit::sharded_bytes() const { return bytes_of(sharded_flat_); }
 
 void FsdpUnit::begin_unshard() {
   if (state_ != UnitState::kSharded) return;
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   // TODO(stage04): regrow the gathered buffer, issue one all-gather of this rank's padded shards
   throw ::shardlab::NotImplemented("04", "regrow the gathered buffer, issue one all-gather of this rank's padded shards");
   meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes() + bytes_of(all_gather_out_) +
@@ -159,7 +159,7 @@ void FsdpUnit::finish_unshard() {
   all_gather_.wait();
   const int64_t transient = bytes_of(all_gather_out_) + (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0);
   {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     copy_out(all_gather_out_, gathered_);  // through the buffer: Note [Why the registered tensor never changes]
   }
   all_gather_out_ = at::Tensor();
@@ -204,7 +204,7 @@ void FsdpUnit::release_gradient(size_t k) {
 
 void FsdpUnit::stash_gradients() {
   if (dtypes_.reduce == dtypes_.param) return;  // autograd keeps adding into .grad(), already the reduce dtype
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   for (size_t k = 0; k < params_.size(); ++k) {
     at::Tensor& g = params_[k].param.mutable_grad();
     if (!params_[k].trainable || !g.defined()) continue;
@@ -221,7 +221,7 @@ void FsdpUnit::stash_gradients() {
 
 Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   const int world = comm_.size();
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   at::Tensor input = at::empty({world, grad_row_numel_}, sharded_flat_.options().dtype(dtypes_.reduce));
   at::Tensor output = at::empty({grad_row_numel_}, input.options());
   const int64_t transient = bytes_of(input) + bytes_of(output);
@@ -230,7 +230,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   throw ::shardlab::NotImplemented("04", "rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them");
   Handle reduced = hook_(input.view({-1}), output);
   return std::move(reduced).then([this, input, output, transient, generation = generation_] {
-    torch::NoGradGuard no_grad;
+    at::NoGradGuard no_grad;
     if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
       meter_.release(MemoryKind::kGrads, transient);
       return;
@@ -243,7 +243,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
 }
 
 std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   at::Tensor blocks = at::empty({comm_.size() * shard_numel_}, sharded_flat_.options());
   comm_.all_gather(blocks, sharded_flat_).wait();
   at::Tensor full = at::empty({gathered_numel_}, sharded_flat_.options());

@@ -34,7 +34,7 @@
 #include "shardlab/fsdp/fsdp_unit.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
-#include "shardlab/naive_ddp/naive_ddp.h"
+#include "shardlab/naive_ddp/no_sync.h"
 
 #include <memory>
 #include <string>

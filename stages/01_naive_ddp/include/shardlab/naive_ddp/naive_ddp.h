@@ -20,32 +20,13 @@
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
+#include "shardlab/naive_ddp/broadcast_state.h"
+#include "shardlab/naive_ddp/no_sync.h"
 
 #include <memory>
 #include <vector>
 
 namespace shardlab::naive_ddp {
-
-/// Broadcasts every parameter (frozen ones included) and every buffer of `module` from rank 0 of `comm`, so all
-/// replicas start identical. A collective: every rank must call it with a model of the same structure.
-/// Later stages (bucketed DDP) start their replicas with it too.
-void broadcast_state(Model& module, Communicator& comm);
-
-/// RAII scope that turns a DDP wrapper's gradient synchronization off; the previous setting returns when it ends.
-/// Every DDP wrapper of the course hands one out from its `no_sync()`.
-class NoSync {
- public:
-  /// Sets `sync_enabled` to false until destruction. `sync_enabled` must outlive the scope.
-  explicit NoSync(bool& sync_enabled);
-  /// Restores the previous setting.
-  ~NoSync();
-  NoSync(const NoSync&) = delete;
-  NoSync& operator=(const NoSync&) = delete;
-
- private:
-  bool& sync_enabled_;
-  bool previous_;
-};
 
 /// Wraps a Model so that gradients are averaged over the ranks of a Communicator after every backward pass.
 ///

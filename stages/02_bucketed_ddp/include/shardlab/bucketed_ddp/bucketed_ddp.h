@@ -22,11 +22,12 @@
 /// find_unused_parameters and its "Expected to have finished reduction" error).
 
 #include "shardlab/bucketed_ddp/bucket_plan.h"
+#include "shardlab/bucketed_ddp/bucket_reducer.h"
 #include "shardlab/bucketed_ddp/cap_tuning.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
-#include "shardlab/naive_ddp/naive_ddp.h"
+#include "shardlab/naive_ddp/no_sync.h"
 
 #include <functional>
 #include <map>
@@ -36,11 +37,6 @@
 
 namespace shardlab::bucketed_ddp {
 
-/// Extension point (stage 03 plugs its communication hooks in here): averages one bucket's flat gradient over
-/// the group, asynchronously. Called on the backward thread the moment the bucket is ready; when the returned
-/// handle's `wait()` returns, `bucket` must hold the average over ranks, in its own dtype.
-using BucketReducer = std::function<Handle(Communicator& comm, const at::Tensor& bucket)>;
-
 /// How BucketedDDP builds and reduces its buckets.
 struct Options {
   BucketCaps caps;                      ///< byte caps (first bucket 1 MiB, later 25 MiB by default)
@@ -48,12 +44,6 @@ struct Options {
   bool rebuild_buckets = true;          ///< rebuild once from the real gradient-ready order
   BucketReducer reducer;                ///< null: `comm.all_reduce(bucket, ReduceOp::kAvg)`
 };
-
-/// True while BucketedDDP waits for the buckets of a backward that completes (every gradient came, or the missing
-/// ones are allowed), on the thread doing so; false in every other wait (a backward that failed or was cut short,
-/// the destructor). A reducer's continuation that must only run for a complete backward (stage 03's optimizer
-/// step) checks it. See Note [Settling a complete backward] in bucketed_ddp.cpp.
-bool settling_a_complete_backward();
 
 /// One bucket: a contiguous slice of the flat gradient buffer of its dtype.
 struct Bucket {

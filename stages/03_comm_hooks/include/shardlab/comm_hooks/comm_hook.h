@@ -22,7 +22,7 @@
 /// DefaultState, allreduce_hook, reduce_scatter_hook, fp16_compress_hook, bf16_compress_hook); PyTorch DDP's
 /// `register_comm_hook` and its fp16 compression hook.
 
-#include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/bucketed_ddp/bucket_reducer.h"
 #include "shardlab/common/communicator.h"
 
 #include <ATen/core/Tensor.h>

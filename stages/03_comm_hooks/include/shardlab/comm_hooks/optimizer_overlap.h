@@ -17,7 +17,7 @@
 /// optimizer_overlap_hooks.py) and "apply optimizer in backward" (torch/distributed/optim/
 /// apply_optimizer_in_backward.py), in the seed's 003 task.
 
-#include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/bucketed_ddp/bucket_reducer.h"
 #include "shardlab/common/comm_record.h"
 
 #include <ATen/core/Tensor.h>

@@ -1,0 +1,18 @@
+#pragma once
+/// @file broadcast_state.h
+/// Stage 01 — the replicas' common start: rank 0's parameters and buffers on every rank.
+///
+/// A header of its own (defined in naive_ddp.cpp, task 1) so that later stages include it without naive_ddp.h,
+/// whose private state is the student's (see Note [A starter's headers] in cmake/ShardLabStage.cmake).
+
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/model.h"
+
+namespace shardlab::naive_ddp {
+
+/// Broadcasts every parameter (frozen ones included) and every buffer of `module` from rank 0 of `comm`, so all
+/// replicas start identical. A collective: every rank must call it with a model of the same structure.
+/// Later stages (bucketed DDP) start their replicas with it too.
+void broadcast_state(Model& module, Communicator& comm);
+
+}  // namespace shardlab::naive_ddp
