@@ -51,7 +51,6 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     throw std::invalid_argument("FullyShardedModel: hook '" + options_.hook +
                                 "' cannot reduce-scatter; expected reduce_scatter, fp16 or bf16");
   const comm_hooks::CommHook hook = comm_hooks::make_hook(options_.hook, comm_);
-  naive_ddp::broadcast_state(*model_, comm_);
 
   // Which unit owns each parameter: the model's units in order, then the root (index = number of units).
   std::vector<Unit>& slots = model_->units();
@@ -103,6 +102,8 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     FsdpUnit::validate(slots[u].name, groups[u]);
   }
   if (!groups[root].empty()) FsdpUnit::validate("root", groups[root]);
+  // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
+  naive_ddp::broadcast_state(*model_, comm_);
   for (size_t u = 0; u < root; ++u) {
     units_.push_back(
         std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_));
@@ -117,7 +118,9 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
       pre_forward(u);
       // Mixed precision: a floating input computes in the unit's param dtype (FSDP2's cast_forward_inputs).
       const c10::ScalarType compute = units_[u]->dtypes().param;
-      const bool cast = x.defined() && c10::isFloatingType(x.scalar_type()) && x.scalar_type() != compute;
+      // A unit whose parameters are not floating keeps its input as it comes (nothing of it is cast).
+      const bool cast = x.defined() && c10::isFloatingType(x.scalar_type()) && c10::isFloatingType(compute) &&
+                        x.scalar_type() != compute;
       at::Tensor y = inner_forward_[u](cast ? x.to(compute) : x);
       post_forward(u, y);
       return y;
