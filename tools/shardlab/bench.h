@@ -30,6 +30,22 @@ struct FsdpBenchResult {
 /// there, in interleaved rounds. @throws std::runtime_error when a shardlab run fails (a peer failure is reported).
 FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& options, const std::string& self_exe);
 
+/// The reduce-scatter section's outputs (see run_rs_bench).
+struct RsBenchResult {
+  std::string heading;   ///< how it was measured
+  std::string markdown;  ///< the table
+  std::string targets;   ///< bytes against the bound, and how often kAuto picked the faster algorithm
+  std::string json;      ///< the probes' figures (a JSON array, one object per world size)
+};
+
+/// Times the ring reduce-scatter against the all-reduce fallback at 2, 3 and 4 processes (`run`'s timeout), at
+/// sizes from 16 KiB to 4 MiB, best of `repeat` rounds. @throws std::runtime_error when a probe fails.
+RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string& self_exe);
+
+/// Body of the hidden `shardlab rs-probe --out FILE [--repeat R]`: one rank of run_rs_bench's measurement (torchrun's
+/// environment); rank 0 writes the figures to FILE. @throws std::invalid_argument on a bad flag.
+int run_rs_probe(const std::vector<std::string>& args);
+
 /// The BLAS that libblas.so.3 resolves to inside `root` ("" = this machine): "OpenBLAS", "reference BLAS (netlib)"...
 std::string blas_in(const std::string& root);
 

@@ -22,6 +22,7 @@ int main(int argc, char** argv) {
   args.erase(args.begin());
   try {
     if (command == "worker") return run_worker(parse_options(args, true));
+    if (command == "rs-probe") return run_rs_probe(args);  // one rank of `bench --section reduce_scatter`
     const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
     if (command == "train") {
       RunOptions o = parse_options(args, true);

@@ -181,16 +181,18 @@ void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
 void FsdpUnit::finish_unshard() {
   if (state_ == UnitState::kUnsharded) return;
   if (state_ == UnitState::kSharded) begin_unshard();
-  all_gather_.wait();
   const int64_t transient = bytes_of(all_gather_out_) + (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0);
+  // BEGIN SOLUTION(04): wait for the all-gather, copy out into the gathered buffer, drop the all-gather's buffers
+  all_gather_.wait();
   {
     at::NoGradGuard no_grad;
     copy_out(all_gather_out_, gathered_);  // through the buffer: Note [Why the registered tensor never changes]
   }
   all_gather_out_ = at::Tensor();
   all_gather_in_ = at::Tensor();
-  meter_.release(MemoryKind::kParams, transient);
   state_ = UnitState::kUnsharded;
+  // END SOLUTION
+  meter_.release(MemoryKind::kParams, transient);
 }
 
 void FsdpUnit::reshard() {

@@ -1,0 +1,142 @@
+// `shardlab bench --section reduce_scatter`: the ring reduce-scatter built on c10d's send/recv (Note [Ring
+// reduce-scatter] in common/src/communicator.cpp) against the all-reduce fallback that Gloo users get (PyTorch's
+// FSDP on Gloo included), as real processes, at the sizes FSDP reduce-scatters; and whether kAuto's rule
+// (ring_reduce_scatter_pays) picks the faster one at each size.
+#include "bench.h"
+
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/process_group.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <stdexcept>
+
+#include <unistd.h>
+
+namespace shardlab::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Input sizes in bytes: a ladder from latency-bound to bandwidth-bound, with the FSDP section's unit in it (one
+// block of the 4-block, width-128 tiny GPT: S x padded block numel x 4 bytes, about 775 KiB at any world size).
+const std::vector<int64_t> kSizes{16 << 10, 64 << 10, 256 << 10, 775 << 10, 1 << 20, 4 << 20};
+constexpr int kCalls = 20;  // timed calls per size, algorithm and round
+
+}  // namespace
+
+int run_rs_probe(const std::vector<std::string>& args) {
+  std::string out;
+  int rounds = 3;
+  for (size_t i = 0; i + 1 < args.size(); i += 2) {
+    if (args[i] == "--out")
+      out = args[i + 1];
+    else if (args[i] == "--repeat")
+      rounds = std::max(1, std::atoi(args[i + 1].c_str()));
+    else
+      throw std::invalid_argument("rs-probe: unknown option '" + args[i] + "'; expected --out or --repeat");
+  }
+  if (out.empty()) throw std::invalid_argument("rs-probe: expected --out FILE");
+  GroupOptions group;
+  group.timeout = std::chrono::milliseconds(120'000);
+  auto comm = communicator_from_env(group);
+  const int world = comm->size();
+  std::ostringstream json;
+  json << "{\"world\": " << world << ", \"rows\": [";
+  for (size_t s = 0; s < kSizes.size(); ++s) {
+    const int64_t numel = kSizes[s] / 4 / world * world;  // float32, divisible by the world size
+    at::Tensor input = at::rand({numel});
+    at::Tensor output = at::empty({numel / world});
+    double best[2] = {1e30, 1e30};
+    int64_t sent[2] = {0, 0};
+    for (int round = 0; round < rounds; ++round) {
+      for (int a = 0; a < 2; ++a) {  // interleaved: 0 the ring, 1 the all-reduce
+        comm->set_reduce_scatter_algorithm(a == 0 ? ReduceScatterAlgorithm::kRing : ReduceScatterAlgorithm::kAllReduce);
+        for (int w = 0; w < 3; ++w) comm->reduce_scatter(output, input).wait();  // warm up
+        comm->barrier();
+        const size_t first = comm->recorder().size();
+        const auto start = std::chrono::steady_clock::now();
+        for (int c = 0; c < kCalls; ++c) comm->reduce_scatter(output, input).wait();
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / kCalls;
+        best[a] = std::min(best[a], ms);
+        const CollectiveRecord r = comm->recorder().since(first).front();
+        // What this rank sent: the ring records it; an all-reduce sends 2(N-1)/N of its input under a ring.
+        sent[a] = r.wire_op == "reduce_scatter(ring)" ? r.bytes : 2 * (world - 1) * r.bytes / world;
+      }
+    }
+    json << (s ? ", " : "") << "{\"bytes\": " << numel * 4 << ", \"ring_ms\": " << best[0]
+         << ", \"all_reduce_ms\": " << best[1] << ", \"ring_sent\": " << sent[0] << ", \"all_reduce_sent\": " << sent[1]
+         << "}";
+  }
+  json << "]}\n";
+  comm->barrier();
+  if (comm->rank() == 0) std::ofstream(out) << json.str();
+  return 0;
+}
+
+RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string& self_exe) {
+  RsBenchResult result;
+  const fs::path dir = fs::temp_directory_path() / ("shardlab-rs-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ostringstream md, targets, json;
+  md << "| ranks | input KiB | ring ms | all-reduce ms | ring / all-reduce | sent by ring | sent by all-reduce | "
+        "auto picks | faster |\n|---|---|---|---|---|---|---|---|---|\n";
+  json << "[";
+  int wrong = 0, rows = 0;
+  double worst = 1.0;
+  for (int world : {2, 3, 4}) {
+    RunOptions o = run;
+    o.world_size = world;
+    const std::string file = (dir / ("rs" + std::to_string(world) + ".json")).string();
+    const PeerRun r =
+        run_peer_script(o, {self_exe, "rs-probe", "--out", file, "--repeat", std::to_string(repeat)}, file);
+    if (!r.ok) throw std::runtime_error("reduce-scatter probe at " + std::to_string(world) + " ranks: " + r.problem);
+    json << (world == 2 ? "" : ", ") << r.text;
+    // One row per size: the probe writes them in kSizes order.
+    size_t pos = 0;
+    while ((pos = r.text.find("{\"bytes\"", pos)) != std::string::npos) {
+      const size_t end = r.text.find('}', pos);
+      const std::string one = r.text.substr(pos, end - pos + 1);
+      pos = end;
+      const double bytes = json_number(one, "bytes"), ring = json_number(one, "ring_ms"),
+                   all_reduce = json_number(one, "all_reduce_ms");
+      const bool auto_ring = ring_reduce_scatter_pays(world, static_cast<int64_t>(bytes));
+      const bool ring_faster = ring < all_reduce;
+      const double lost = auto_ring ? ring / all_reduce : all_reduce / ring;  // > 1: auto chose the slower
+      ++rows;
+      if (lost > 1.0) {
+        ++wrong;
+        worst = std::max(worst, lost);
+      }
+      md << "| " << world << " | " << std::fixed << std::setprecision(0) << bytes / 1024 << " | " << std::setprecision(3)
+         << ring << " | " << all_reduce << " | " << std::setprecision(2) << ring / all_reduce << " | "
+         << std::setprecision(0) << json_number(one, "ring_sent") << " | " << json_number(one, "all_reduce_sent")
+         << " | " << (auto_ring ? "ring" : "all-reduce") << " | " << (ring_faster ? "ring" : "all-reduce") << " |\n";
+    }
+  }
+  json << "]";
+  fs::remove_all(dir);
+  targets << "- the ring sends (N-1)/N of the input per rank, the all-reduce fallback 2(N-1)/N (the columns 'sent')\n"
+          << "- auto (ring_reduce_scatter_pays) picked the faster algorithm at " << rows - wrong << " of " << rows
+          << " sizes";
+  if (wrong > 0)
+    targets << "; where it did not, the one it picked was at most " << std::fixed << std::setprecision(2) << worst
+            << "x the faster";
+  targets << "\n";
+  result.heading = "Gloo on CPU, processes, float32; each figure the best over " + std::to_string(repeat) +
+                   " rounds of the mean of " + std::to_string(kCalls) + " back-to-back calls";
+  result.markdown = md.str();
+  result.targets = targets.str();
+  result.json = json.str();
+  return result;
+}
+
+}  // namespace shardlab::cli
