@@ -39,9 +39,10 @@
 // is (that number, step): the same on every rank. The sum of chunk r is accumulated in ring order (r+1, r+2, ...,
 // r), another order than Gloo's all-reduce: results agree exactly when the sums are exact, and to rounding
 // otherwise. CUDA tensors (Gloo's send/recv take host memory) keep the all-reduce fallback.
-// Measured (thread ranks, 2 cores, 20 calls each, ring / all-reduce time): 2 ranks 0.19-0.82 from 4 KiB to
-// 8 MiB; 4 ranks 1.3-1.8 at 4-64 KiB (three sequential steps on oversubscribed cores), 0.93-1.0 at 1 MiB,
-// 0.66-0.88 at 8 MiB. Hence kAuto: ring_reduce_scatter_pays().
+// Measured as processes with `shardlab bench --section reduce_scatter` (2 cores, ring / all-reduce time, 16 KiB to
+// 4 MiB, two quiet runs): 2 ranks 0.17-0.95; 3 ranks 0.24-0.82 at every size; 4 ranks 1.0-1.4 at 16-64 KiB (three
+// sequential steps on oversubscribed cores), 0.5-1.6 at 256 KiB-1 MiB (noise larger than the difference), 0.70-0.76
+// at 4 MiB. Hence kAuto: ring_reduce_scatter_pays().
 
 namespace shardlab {
 namespace {
@@ -189,7 +190,7 @@ c10::intrusive_ptr<compat::Work> Communicator::issue(const std::function<c10::in
 }
 
 bool ring_reduce_scatter_pays(int world_size, int64_t input_bytes) {
-  return world_size <= 2 || input_bytes >= (int64_t{1} << 20);
+  return world_size <= 3 || input_bytes >= (int64_t{1} << 20);
 }
 
 Communicator::~Communicator() = default;  // ring_ (if any) finishes its queue, then joins

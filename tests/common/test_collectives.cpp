@@ -153,7 +153,7 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
         // tensors: N-1 of the N chunks sent) or an all-reduce of the whole input (CUDA tensors); 1.13 also a list
         // all-gather and bf16 as f32, 2.6 the flat all-gather (CPU tensors) and bf16 itself.
         const bool nccl = c.kind() == BackendKind::kNccl;
-        const bool ring = !nccl && device_.is_cpu() && world <= 2;  // kAuto: these inputs are far below 1 MiB
+        const bool ring = !nccl && device_.is_cpu() && world <= 3;  // kAuto: these inputs are far below 1 MiB
         const at::Tensor like = at::empty({0}, on_device(at::kFloat));
         EXPECT_EQ(c.has_reduce_scatter(), nccl);
         EXPECT_EQ(c.has_flat_all_gather(like), nccl || (kGlooBf16AndFlatAllGather && device_.is_cpu()));
@@ -265,21 +265,22 @@ TEST(Collectives, RingReduceScattersInFlightTogetherKeepTheirMessagesApart) {
 TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
   EXPECT_TRUE(ring_reduce_scatter_pays(2, 4));
   EXPECT_TRUE(ring_reduce_scatter_pays(2, 64 << 20));
+  EXPECT_TRUE(ring_reduce_scatter_pays(3, 16 << 10));
   EXPECT_FALSE(ring_reduce_scatter_pays(4, 64 << 10));
   EXPECT_TRUE(ring_reduce_scatter_pays(4, 1 << 20));
   run_ranks(
-      3,
+      4,
       [&](Communicator& c) {
         EXPECT_EQ(c.reduce_scatter_algorithm(), ReduceScatterAlgorithm::kAuto);
-        at::Tensor small = at::ones({3 * 4}), large = at::ones({3 * (1 << 18)});
+        at::Tensor small = at::ones({4 * 4}), large = at::ones({4 * (1 << 18)});
         at::Tensor out_small = at::empty({4}), out_large = at::empty({1 << 18});
         const size_t mark = c.recorder().size();
         c.reduce_scatter(out_small, small).wait();
         c.reduce_scatter(out_large, large).wait();
         const auto recs = c.recorder().since(mark);
-        EXPECT_EQ(recs[0].wire_op, "all_reduce") << "48 bytes at 3 ranks";
-        EXPECT_EQ(recs[1].wire_op, "reduce_scatter(ring)") << "3 MiB at 3 ranks";
-        EXPECT_TRUE(out_large.eq(3).all().item<bool>());
+        EXPECT_EQ(recs[0].wire_op, "all_reduce") << "64 bytes at 4 ranks";
+        EXPECT_EQ(recs[1].wire_op, "reduce_scatter(ring)") << "4 MiB at 4 ranks";
+        EXPECT_TRUE(out_large.eq(4).all().item<bool>());
       },
       test_group());
 }

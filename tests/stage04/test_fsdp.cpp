@@ -140,7 +140,11 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
             EXPECT_EQ(fsdp.units()[u]->gathered_bytes(), raf ? 0 : fsdp.units()[u]->gathered_capacity_bytes())
                 << fsdp.units()[u]->name() << " after forward";
           EXPECT_EQ(fsdp.root()->gathered_bytes(), fsdp.root()->gathered_capacity_bytes()) << "root after forward";
+          const int64_t held_after_forward = fsdp.memory().param_bytes;
+          fsdp.record_memory_samples(true);
+          const int64_t backward_start = now_ns();
           loss.backward();
+          fsdp.record_memory_samples(false);
           Phase forward, backward;
           {
             const auto all = comm.recorder().since(start);
@@ -175,6 +179,24 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
             EXPECT_EQ(backward.reduce_scatters[i].numel * static_cast<int64_t>(sizeof(float)),
                       world * unit.sharded_bytes())
                 << "reduce-scatter " << i << " (" << unit.name() << ")";
+          }
+          // Kept after forward, a block is still freed at its own backward, as soon as its gradients are complete:
+          // the j-th block's bytes are gone before the next unit's reduce-scatter starts (same thread, same clock),
+          // not at the end of backward.
+          if (!raf) {
+            const int64_t block_bytes = fsdp.units()[0]->gathered_capacity_bytes();
+            for (int j = 1; j <= blocks; ++j) {
+              int64_t freed_at = -1;
+              for (const auto& m : fsdp.memory_samples()) {
+                if (m.ns >= backward_start && m.param_bytes <= held_after_forward - j * block_bytes) {
+                  freed_at = m.ns;
+                  break;
+                }
+              }
+              ASSERT_GE(freed_at, 0) << "block " << blocks - j << " never freed in backward";
+              EXPECT_LE(freed_at, backward.reduce_scatters[j].start_ns)
+                  << "block " << blocks - j << " was freed only after the reduce-scatter of the unit after it began";
+            }
           }
           // After backward: every unit sharded, no unsharded parameter or gradient storage left.
           for (const auto& unit : fsdp.units()) {

@@ -116,10 +116,11 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
         ++wrong;
         worst = std::max(worst, lost);
       }
-      md << "| " << world << " | " << std::fixed << std::setprecision(0) << bytes / 1024 << " | " << std::setprecision(3)
-         << ring << " | " << all_reduce << " | " << std::setprecision(2) << ring / all_reduce << " | "
-         << std::setprecision(0) << json_number(one, "ring_sent") << " | " << json_number(one, "all_reduce_sent")
-         << " | " << (auto_ring ? "ring" : "all-reduce") << " | " << (ring_faster ? "ring" : "all-reduce") << " |\n";
+      md << "| " << world << " | " << std::fixed << std::setprecision(0) << bytes / 1024 << " | "
+         << std::setprecision(3) << ring << " | " << all_reduce << " | " << std::setprecision(2) << ring / all_reduce
+         << " | " << std::setprecision(0) << json_number(one, "ring_sent") << " | "
+         << json_number(one, "all_reduce_sent") << " | " << (auto_ring ? "ring" : "all-reduce") << " | "
+         << (ring_faster ? "ring" : "all-reduce") << " |\n";
     }
   }
   json << "]";
