@@ -224,14 +224,14 @@ void print_comparison(const std::vector<RunReport>& reports) {
   std::cout << "\nshardlab compare: model " << t.model << ", global batch " << t.global_batch << ", " << t.steps
             << " steps, " << t.optimizer << " lr " << t.lr << ", seed " << t.seed
             << "; losses over the global batch\n\n";
-  std::cout << std::left << std::setw(16) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
+  std::cout << std::left << std::setw(18) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
             << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
             << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
             << "(theory)" << std::setw(12) << "step ms" << std::setw(13) << "exposed ms" << std::setw(12) << "param B"
             << std::setw(10) << "(theory)" << std::setw(12) << "grad B" << std::setw(10) << "(theory)"
             << "\n";
   for (const auto& r : reports) {
-    std::cout << std::left << std::setw(16) << r.strategy << std::right << std::setw(6) << r.world_size << std::fixed
+    std::cout << std::left << std::setw(18) << r.strategy << std::right << std::setw(6) << r.world_size << std::fixed
               << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12) << r.reference_losses.back()
               << std::scientific << std::setprecision(2) << std::setw(14) << r.max_param_diff << std::defaultfloat
               << std::setw(12) << r.collectives_per_step << std::setw(10) << r.collectives_per_step_theory
