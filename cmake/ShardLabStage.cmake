@@ -45,13 +45,15 @@ endfunction()
 # either build, and switching one stage to its starter (tools/check-starter) recompiles only what includes a
 # header whose copy changed: configure_file rewrites a copy only when its content changes, and make compares the
 # copy's time. Later stages include the region-free headers (naive_ddp/no_sync.h, naive_ddp/broadcast_state.h,
-# bucketed_ddp/bucket_reducer.h), not the headers with regions, so they are not recompiled.
+# bucketed_ddp/bucket_reducer.h), not the headers with regions, so their libraries are not recompiled; what does
+# include a region header (that stage's and stage 03's tests, the tool's strategies.cpp) is. An IDE that opens a
+# copy opens a generated file: edit the header under solutions/.
 function(shardlab_stage_headers out)
   file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR})
   string(REGEX REPLACE "^[^/]+/" "" dir "${rel}")
   set(solution ${PROJECT_SOURCE_DIR}/solutions/${dir}/include)
   set(starter ${PROJECT_SOURCE_DIR}/stages/${dir}/include)
-  set(copies ${CMAKE_BINARY_DIR}/stage_headers/${dir})
+  set(copies ${PROJECT_BINARY_DIR}/stage_headers/${dir})
   file(GLOB_RECURSE headers RELATIVE ${solution} CONFIGURE_DEPENDS ${solution}/*)
   set(differing)
   foreach(h IN LISTS headers)

@@ -40,9 +40,9 @@
 // r), another order than Gloo's all-reduce: results agree exactly when the sums are exact, and to rounding
 // otherwise. CUDA tensors (Gloo's send/recv take host memory) keep the all-reduce fallback.
 // Measured as processes with `shardlab bench --section reduce_scatter` (2 cores, ring / all-reduce time, 16 KiB to
-// 4 MiB, two quiet runs): 2 ranks 0.17-0.95; 3 ranks 0.24-0.82 at every size; 4 ranks 1.0-1.4 at 16-64 KiB (three
-// sequential steps on oversubscribed cores), 0.5-1.6 at 256 KiB-1 MiB (noise larger than the difference), 0.70-0.76
-// at 4 MiB. Hence kAuto: ring_reduce_scatter_pays().
+// 4 MiB, three runs; docs/benchmark.md has the last): 2 ranks 0.13-0.95; 3 ranks 0.24-0.82, once a tie (1.00) at
+// 16 KiB; 4 ranks 0.8-1.4 at 16-64 KiB (three sequential steps on oversubscribed cores), 0.5-1.6 at 256 KiB-1 MiB
+// (noise larger than the difference), 0.67-0.76 at 4 MiB. Hence kAuto: ring_reduce_scatter_pays().
 
 namespace shardlab {
 namespace {

@@ -154,11 +154,12 @@ TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
           std::cout << (raf ? "raf" : "keep") << " step " << step << ": forward " << forward.all_gathers.size()
                     << " all-gathers, backward " << backward.all_gathers.size() << " all-gathers and "
                     << backward.reduce_scatters.size() << " reduce-scatters\n";
-          EXPECT_EQ(forward.all_gathers.size(), static_cast<size_t>(blocks + 1)) << "B+1 all-gathers in forward";
+          ASSERT_EQ(forward.all_gathers.size(), static_cast<size_t>(blocks + 1)) << "B+1 all-gathers in forward";
           EXPECT_TRUE(forward.reduce_scatters.empty() && forward.other.empty()) << "nothing else in forward";
-          EXPECT_EQ(backward.all_gathers.size(), raf ? static_cast<size_t>(blocks) : 0u)
+          // ASSERT: the checks below index by these counts.
+          ASSERT_EQ(backward.all_gathers.size(), raf ? static_cast<size_t>(blocks) : 0u)
               << "backward gathers every block again (raf) or none (kept); the root is kept";
-          EXPECT_EQ(backward.reduce_scatters.size(), static_cast<size_t>(blocks + 1)) << "B+1 reduce-scatters";
+          ASSERT_EQ(backward.reduce_scatters.size(), static_cast<size_t>(blocks + 1)) << "B+1 reduce-scatters";
           EXPECT_TRUE(backward.other.empty()) << "no other collective";
           // Sizes: the forward gathers the root first, then block 0, 1, ...; each of the unit's padded shard numel.
           for (size_t i = 0; i < forward.all_gathers.size(); ++i) {

@@ -86,6 +86,13 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
   RsBenchResult result;
   const fs::path dir = fs::temp_directory_path() / ("shardlab-rs-" + std::to_string(::getpid()));
   fs::create_directories(dir);
+  struct RemoveAtExit {
+    fs::path dir;
+    ~RemoveAtExit() {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  } remove_at_exit{dir};
   std::ostringstream md, targets, json;
   md << "| ranks | input KiB | ring ms | all-reduce ms | ring / all-reduce | sent by ring | sent by all-reduce | "
         "auto picks | faster |\n|---|---|---|---|---|---|---|---|---|\n";
@@ -124,10 +131,11 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
     }
   }
   json << "]";
-  fs::remove_all(dir);
-  targets << "- the ring sends (N-1)/N of the input per rank, the all-reduce fallback 2(N-1)/N (the columns 'sent')\n"
-          << "- auto (ring_reduce_scatter_pays) picked the faster algorithm at " << rows - wrong << " of " << rows
-          << " sizes";
+  targets
+      << "- sent bytes per rank: the ring's from its record, (N-1)/N of the input; the all-reduce's 2(N-1)/N of the "
+         "input it records (what a ring all-reduce sends)\n"
+      << "- auto (ring_reduce_scatter_pays) picked the faster algorithm at " << rows - wrong << " of " << rows
+      << " sizes";
   if (wrong > 0)
     targets << "; where it did not, the one it picked was at most " << std::fixed << std::setprecision(2) << worst
             << "x the faster";

@@ -116,12 +116,11 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     inner_forward_.push_back(slots[u].forward);
     slots[u].forward = [this, u](const at::Tensor& x) {
       pre_forward(u);
-      // Mixed precision: a floating input computes in the unit's param dtype (FSDP2's cast_forward_inputs).
-      const c10::ScalarType compute = units_[u]->dtypes().param;
-      // A unit whose parameters are not floating keeps its input as it comes (nothing of it is cast).
-      const bool cast = x.defined() && c10::isFloatingType(x.scalar_type()) && c10::isFloatingType(compute) &&
-                        x.scalar_type() != compute;
-      at::Tensor y = inner_forward_[u](cast ? x.to(compute) : x);
+      // Mixed precision: a floating input is cast to the policy's param dtype when one is set (FSDP2's
+      // cast_forward_inputs: the policy's dtype, not the unit's clamped one; no policy, no cast).
+      const std::optional<c10::ScalarType>& compute = options_.mixed_precision.param_dtype;
+      const bool cast = compute && x.defined() && c10::isFloatingType(x.scalar_type()) && x.scalar_type() != *compute;
+      at::Tensor y = inner_forward_[u](cast ? x.to(*compute) : x);
       post_forward(u, y);
       return y;
     };

@@ -47,8 +47,8 @@ enum class ReduceScatterAlgorithm {
   kAllReduce,  ///< one all-reduce of the whole input, this rank's chunk kept: the input's size on the wire
 };
 
-/// kAuto's rule: the ring at 2 and 3 ranks (half the bytes; faster at every size measured, 16 KiB-4 MiB), and from
-/// 1 MiB of input at more ranks (below that its N-1 sequential steps cost as much as Gloo's all-reduce or more).
+/// kAuto's rule: the ring at 2 and 3 ranks (half the bytes; faster, or tied, at every size measured, 16 KiB-4 MiB), and
+/// from 1 MiB of input at more ranks (below that its N-1 sequential steps cost as much as Gloo's all-reduce or more).
 /// Measured as processes on 2 cores (`shardlab bench --section reduce_scatter`); see Note [Ring reduce-scatter] in
 /// communicator.cpp.
 bool ring_reduce_scatter_pays(int world_size, int64_t input_bytes);
