@@ -2,6 +2,7 @@
 
 #include "detail/serial_worker.h"
 #include "shardlab/common/errors.h"
+#include "shardlab/common/progress.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -236,19 +237,25 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
   // CPU tensors: the completion time comes from the backend's future (set on its worker thread), so the record
   // shows when the collective really ended, not when someone waited for it. CUDA tensors: the future completes
   // when the work is queued on the GPU, so the record ends when wait() has synchronized with it instead.
+  // CPU collectives are counted in flight until the future completes (Note [Yielding to communication]).
   std::shared_ptr<CommRecorder> rec = recorder_;
+  std::shared_ptr<detail::InFlight> in_flight = on_cpu ? std::make_shared<detail::InFlight>() : nullptr;
   if (on_cpu) {
     try {
-      work->getFuture()->addCallback([rec, record_index](c10::ivalue::Future&) { rec->finish(record_index); });
+      work->getFuture()->addCallback([rec, record_index, in_flight](c10::ivalue::Future&) {
+        rec->finish(record_index);
+        in_flight->end();
+      });
     } catch (const std::exception&) {
-      // a backend without a future: timed at wait() below
+      // a backend without a future: timed, and no longer counted, at wait() below
     }
   }
   // Either way the record is closed by the time wait() returns: the backend's future may run its callbacks (on its
   // own thread) only after the work reports completion to wait(), and a record still open then would be missing
   // from traces and from comm_time. CommRecorder::finish keeps the first time, so the future's wins when it came.
-  finish = [rec, record_index, inner = std::move(finish)] {
+  finish = [rec, record_index, in_flight, inner = std::move(finish)] {
     rec->finish(record_index);
+    if (in_flight) in_flight->end();
     if (inner) inner();
   };
   std::ostringstream what;

@@ -1,6 +1,7 @@
 #include "shardlab/common/grad_ready.h"
 
 #include "shardlab/common/compat.h"
+#include "shardlab/common/progress.h"
 
 #include <stdexcept>
 #include <string>
@@ -18,7 +19,9 @@ GradientReadiness::GradientReadiness(const std::vector<at::Tensor>& params, Read
   for (size_t i = 0; i < params.size(); ++i) {
     std::weak_ptr<int> alive = alive_;
     accumulators_.push_back(compat::add_post_accumulate_hook(params[i], [this, alive, i] {
-      if (!alive.expired()) ready_(i);
+      if (alive.expired()) return;
+      ready_(i);
+      progress_point();  // Note [Yielding to communication]
     }));
   }
 }

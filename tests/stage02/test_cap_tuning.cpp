@@ -121,6 +121,25 @@ TEST(CapTuning, ChoiceIsTheExhaustiveSearchsBestOnTwoLinks) {
       << "a latency-bound and a bandwidth-bound link must not get the same caps here";
   EXPECT_THROW(choose_caps(BackwardProfile{}, LinkCost{}), std::invalid_argument);
   EXPECT_THROW(choose_caps(p, LinkCost{}, {0}), std::invalid_argument);
+
+  // The caps in use are kept unless the grid's pick models strictly less exposure; the grid need not hold them.
+  const LinkCost latency{200000, 0.5};
+  size_t n = 0;
+  const BucketCaps one_bucket{256 << 10, 256 << 10}, tiny{1 << 10, 1 << 10};
+  const double e_one = replay(bytes, p.ready_ns, p.end_ns, one_bucket.first_bytes, one_bucket.bytes, latency.alpha_ns,
+                              latency.beta_ns_per_byte, &n);
+  const std::vector<int64_t> small_grid{1 << 10, 4 << 10};
+  const BucketCaps grid_pick = choose_caps(p, latency, small_grid);
+  const double e_grid = replay(bytes, p.ready_ns, p.end_ns, grid_pick.first_bytes, grid_pick.bytes, latency.alpha_ns,
+                               latency.beta_ns_per_byte, &n);
+  ASSERT_LT(e_one, e_grid) << "the test's premise: one bucket beats the small grid on a latency-bound link";
+  const BucketCaps kept = choose_caps(p, latency, small_grid, one_bucket);
+  EXPECT_EQ(kept.first_bytes, one_bucket.first_bytes) << "better caps in use, off the grid, must be kept";
+  EXPECT_EQ(kept.bytes, one_bucket.bytes);
+  const BucketCaps left = choose_caps(p, latency, grid, tiny);
+  EXPECT_EQ(left.first_bytes, picks[0].first_bytes) << "worse caps in use must give way to the grid's pick";
+  EXPECT_EQ(left.bytes, picks[0].bytes);
+  EXPECT_THROW(choose_caps(p, latency, grid, BucketCaps{0, 1024}), std::invalid_argument);
 }
 
 // BucketedDDP records when each gradient became ready, and set_caps lays the buckets out again at the next forward.

@@ -129,6 +129,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.train = o.train;
   r.trace_dir = o.trace_dir;
   r.reshard_after_forward = o.strategy_options.reshard_after_forward;
+  r.comm_yield = o.comm_yield;
   r.backend = strategy.distributed ? o.backend : "none";
   const ReferenceResult ref = train_reference(o.train);
   r.reference_losses = ref.losses;
@@ -157,6 +158,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / o.train.steps;
       r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / o.train.steps;
       auto first = [&](const char* key) { return text[key].empty() ? 0.0 : text[key][0]; };
+      r.exposed_share_median = first("exposed_share_median");
+      r.progress_yields_per_step = first("progress_yields") / o.train.steps;
       r.peak_param_bytes = first("peak_param_bytes");
       r.peak_param_bytes_theory = first("peak_param_bytes_theory");
       r.peak_grad_bytes = first("peak_grad_bytes");
@@ -212,7 +215,10 @@ void print_report(const RunReport& r) {
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
   if (r.world_size > 1)
     std::cout << "  communication per step: " << r.comm_busy_ms_per_step << " ms in flight, "
-              << r.exposed_comm_ms_per_step << " ms exposed (the training thread waited)\n";
+              << r.exposed_comm_ms_per_step << " ms exposed (the training thread waited); the median step's exposed "
+              << 100 * r.exposed_share_median << " % of its in-flight time; "
+              << (r.comm_yield ? std::to_string(r.progress_yields_per_step) + " yields to it per step\n"
+                               : "no yields to it (--comm-yield off)\n");
   if (!r.trace_dir.empty())
     std::cout << "  traces: " << r.trace_dir << "/rank*.trace.json (open in chrome://tracing or ui.perfetto.dev)\n";
   std::cout << std::defaultfloat;
@@ -282,6 +288,9 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"buckets\": " << r.buckets << ",\n"
       << pad << "  \"comm_busy_ms_per_step\": " << r.comm_busy_ms_per_step << ",\n"
       << pad << "  \"exposed_comm_ms_per_step\": " << r.exposed_comm_ms_per_step << ",\n"
+      << pad << "  \"exposed_share_median\": " << r.exposed_share_median << ",\n"
+      << pad << "  \"comm_yield\": " << (r.comm_yield ? "true" : "false") << ",\n"
+      << pad << "  \"progress_yields_per_step\": " << r.progress_yields_per_step << ",\n"
       << pad << "  \"layers\": " << r.train.layers << ",\n"
       << pad << "  \"reshard_after_forward\": " << (r.reshard_after_forward ? "true" : "false") << ",\n"
       << pad << "  \"dim\": " << r.train.dim << ",\n"

@@ -113,6 +113,8 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.train.device = parse_device(v).str();
     else if (flag == "--backend")
       o.backend = one_of(flag, v, {"gloo", "nccl"});
+    else if (flag == "--comm-yield")
+      o.comm_yield = one_of(flag, v, {"on", "off"}) == "on";
     else if (flag == "--layers")
       o.train.layers = parse_int(flag, v, 1, 64);
     else if (flag == "--dim")
@@ -199,6 +201,8 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 o.train.device,
                                 "--backend",
                                 o.backend,
+                                "--comm-yield",
+                                o.comm_yield ? "on" : "off",
                                 "--layers",
                                 std::to_string(o.train.layers),
                                 "--dim",
@@ -260,6 +264,8 @@ std::string usage() {
          "                      the launcher sets to 1 when unset) default 0\n"
          "  --device D          cpu|cuda|cuda:N; cuda = GPU LOCAL_RANK  default cpu\n"
          "  --backend B         gloo|nccl (nccl: --device cuda)        default gloo\n"
+         "  --comm-yield on|off backward yields its core at each gradient while a collective is in flight, so\n"
+         "                      Gloo's threads move it (Note [Yielding to communication]) default on\n"
          "  --trace DIR         write DIR/rankR.trace.json (Chrome trace: chrome://tracing, ui.perfetto.dev)\n"
          "  --json FILE         also write the report as JSON\n"
          "  --timeout SECONDS   kill the run if it takes longer        default 600\n";

@@ -31,6 +31,7 @@ struct RunOptions {
   std::string trace_dir;               ///< --trace DIR: one Chrome trace per rank there ("" = none)
   int threads = 0;                     ///< --threads N: intra-op threads per rank (0 = libtorch's default)
   std::string backend = "gloo";        ///< --backend gloo|nccl (nccl needs --device cuda)
+  bool comm_yield = true;              ///< --comm-yield on|off: progress points (Note [Yielding to communication])
 };
 
 /// Parses `args` (without the subcommand). `allow_strategy` is false for compare (it runs them all).

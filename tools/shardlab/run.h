@@ -27,6 +27,9 @@ struct RunReport {
   double buckets = 0;                   ///< gradient buckets (0: strategy without buckets)
   double comm_busy_ms_per_step = 0;     ///< rank 0: time a collective was in flight, per step
   double exposed_comm_ms_per_step = 0;  ///< rank 0: part of it the training thread waited for, per step
+  double exposed_share_median = 0;      ///< rank 0: the median over steps of one step's exposed / in-flight time
+  double progress_yields_per_step = 0;  ///< rank 0: progress points that yielded, per step
+  bool comm_yield = true;               ///< --comm-yield
   double peak_param_bytes = 0;          ///< rank 0: most parameter bytes held at once (FSDP: measured)
   double peak_param_bytes_theory = 0;   ///< what theory says for the same layout
   double peak_grad_bytes = 0;           ///< rank 0: most gradient bytes held at once (FSDP: measured)

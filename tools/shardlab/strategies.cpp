@@ -247,6 +247,7 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
     return loss;
   }
   std::map<std::string, std::vector<double>> extra() const override { return extra_; }
+  std::pair<size_t, size_t> setup_records() const override { return setup_records_; }
 
  private:
   void tune() {
@@ -255,18 +256,15 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
     const bucketed_ddp::LinkCost cost = bucketed_ddp::measure_all_reduce_cost(comm_, device_);
     const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
     const bucketed_ddp::BucketCaps before = ddp.caps();
-    bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost);
-    // The grid may not hold the caps in use: keep them unless the model rates the choice better.
-    if (bucketed_ddp::modelled_exposed_ns(profile, chosen, cost) >=
-        bucketed_ddp::modelled_exposed_ns(profile, before, cost))
-      chosen = before;
+    // Rank 0's choice below: the ranks' profiles differ.
+    bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost, {}, before);
     at::Tensor wire = at::tensor({chosen.first_bytes, chosen.bytes}, at::kLong).to(device_);
     comm_.broadcast(wire, 0).wait();
     wire = wire.cpu();
     chosen = {wire[0].item<int64_t>(), wire[1].item<int64_t>()};
     ddp.set_caps(chosen);
-    // The measurement's collectives are setup, not training traffic (see setup_records in worker.cpp).
-    extra_["setup_records"] = {static_cast<double>(first_record), static_cast<double>(comm_.recorder().size())};
+    // The measurement's collectives are setup, not training traffic.
+    setup_records_ = {first_record, comm_.recorder().size()};
     extra_["auto_caps"] = {static_cast<double>(chosen.first_bytes),
                            static_cast<double>(chosen.bytes),
                            cost.alpha_ns,
@@ -279,6 +277,7 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
   c10::Device device_;
   int steps_ = 0;
   std::map<std::string, std::vector<double>> extra_;
+  std::pair<size_t, size_t> setup_records_{0, 0};
 };
 
 // BucketedDDP's runner: plain, or with auto caps.

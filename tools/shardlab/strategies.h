@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab::cli {
@@ -44,9 +45,10 @@ class StepRunner {
   /// Counter samples for the trace (FSDP: parameter and gradient bytes held over time; others: none).
   virtual std::vector<CounterSample> counters() const { return {}; }
   /// Extra figures for the report, as `key value...` lines of the rank's result file (auto caps: what was chosen).
-  /// "setup_records" [first, last) names recorder indices of collectives that were setup (a measurement), not
-  /// training: the worker leaves them out of the per-step figures.
   virtual std::map<std::string, std::vector<double>> extra() const { return {}; }
+  /// Recorder indices [first, last) of collectives that were setup inside a step (auto caps' measurement), not
+  /// training: the worker leaves them out of the per-step figures. Empty (0, 0) when there were none.
+  virtual std::pair<size_t, size_t> setup_records() const { return {0, 0}; }
 
  protected:
   Timeline* timeline_ = nullptr;  ///< see set_timeline

@@ -5,6 +5,7 @@
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
 #include "shardlab/common/process_group.h"
+#include "shardlab/common/progress.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +44,7 @@ int run_worker(const RunOptions& options) {
   o.train.device = device.str();
   std::shared_ptr<Communicator> comm;
   int rank = 0, world = 1;
+  set_yield_to_communication(o.comm_yield);
   if (strategy.distributed) {
     GroupOptions group;
     group.timeout = std::chrono::milliseconds(120'000);
@@ -62,10 +64,13 @@ int run_worker(const RunOptions& options) {
   auto data = make_dataset(o.train.model, o.train.seed);
 
   std::vector<double> losses, step_ms;
+  std::vector<int64_t> step_starts_ns;  // and the end of the last step: per-step communication figures
+  const uint64_t yields_before = progress_yields();
   const int64_t first_step_ns = now_ns();
   for (int step = 0; step < o.train.steps; ++step) {
     Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world).to(device);
     const auto t0 = std::chrono::steady_clock::now();
+    step_starts_ns.push_back(now_ns());
     losses.push_back(runner->step(local));
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     // Every rank reports; the driver draws the mean (the global batch's loss). See run_strategy.
@@ -74,6 +79,8 @@ int run_worker(const RunOptions& options) {
   }
 
   const int64_t last_step_ns = now_ns();
+  step_starts_ns.push_back(last_step_ns);
+  const uint64_t yields = progress_yields() - yields_before;
 
   // Results: a small text file, and the parameters as raw float64 (the driver knows the shapes).
   const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
@@ -86,14 +93,13 @@ int run_worker(const RunOptions& options) {
   // Broadcasts after construction (stage 02's one-time bucket rebuild) count as setup, not as per-step traffic.
   double collectives = 0, bytes = 0, sent = 0, setup_collectives = static_cast<double>(setup);
   CommTime comm_ns;
+  double exposed_share_median = 0;
   if (comm) {
     std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
-    const auto extra = runner->extra();
-    const auto skip = extra.find("setup_records");
+    const auto [skip_from, skip_to] = runner->setup_records();
     const auto all = comm->recorder().snapshot();
     for (size_t i = setup; i < all.size(); ++i) {
-      if (skip != extra.end() && skip->second.size() == 2 && static_cast<double>(i) >= skip->second[0] &&
-          static_cast<double>(i) < skip->second[1]) {
+      if (i >= skip_from && i < skip_to) {
         setup_collectives += 1;
         continue;
       }
@@ -108,11 +114,23 @@ int run_worker(const RunOptions& options) {
       bytes += static_cast<double>(r.bytes);
       sent += sent_bytes(r, world);
     }
-    comm_ns = comm_time(records, comm->recorder().waits(), first_step_ns, last_step_ns);
+    const auto waits = comm->recorder().waits();
+    comm_ns = comm_time(records, waits, first_step_ns, last_step_ns);
+    // The typical step, beside the run's total: one slow step (a stalled core) moves a total, not a median.
+    std::vector<double> shares;
+    for (size_t s = 0; s + 1 < step_starts_ns.size(); ++s) {
+      const CommTime t = comm_time(records, waits, step_starts_ns[s], step_starts_ns[s + 1]);
+      if (t.busy_ns > 0) shares.push_back(static_cast<double>(t.exposed_ns) / static_cast<double>(t.busy_ns));
+    }
+    if (!shares.empty()) {
+      std::nth_element(shares.begin(), shares.begin() + static_cast<std::ptrdiff_t>(shares.size() / 2), shares.end());
+      exposed_share_median = shares[shares.size() / 2];
+    }
   }
   out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
       << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms "
-      << comm_ns.exposed_ns / 1e6 << "\nbuckets " << runner->buckets() << "\n";
+      << comm_ns.exposed_ns / 1e6 << "\nexposed_share_median " << exposed_share_median << "\nprogress_yields " << yields
+      << "\nbuckets " << runner->buckets() << "\n";
   for (const auto& [key, values] : runner->extra()) {
     out << key;
     for (double v : values) out << ' ' << v;

@@ -9,11 +9,15 @@
 
 namespace shardlab::bucketed_ddp {
 
+void check_caps(const char* who, BucketCaps caps) {
+  if (caps.first_bytes <= 0 || caps.bytes <= 0)
+    throw std::invalid_argument(std::string(who) + ": bucket caps must be positive; got first " +
+                                std::to_string(caps.first_bytes) + " bytes, then " + std::to_string(caps.bytes));
+}
+
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
                                                 BucketCaps caps) {
-  if (caps.first_bytes <= 0 || caps.bytes <= 0)
-    throw std::invalid_argument("assign_buckets: bucket caps must be positive; got first " +
-                                std::to_string(caps.first_bytes) + " bytes, then " + std::to_string(caps.bytes));
+  check_caps("assign_buckets", caps);
   if (order.size() != params.size())
     throw std::invalid_argument("assign_buckets: order must list each of the " + std::to_string(params.size()) +
                                 " parameters once; got " + std::to_string(order.size()) + " indices");

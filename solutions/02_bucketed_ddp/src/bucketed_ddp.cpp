@@ -38,10 +38,7 @@ bool settling_a_complete_backward() { return settling_complete; }
 BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options)
     : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
   if (!module_) throw std::invalid_argument("BucketedDDP: expected a model; got a null pointer");
-  if (options_.caps.first_bytes <= 0 || options_.caps.bytes <= 0)
-    throw std::invalid_argument("BucketedDDP: bucket caps must be positive; got first " +
-                                std::to_string(options_.caps.first_bytes) + " bytes, then " +
-                                std::to_string(options_.caps.bytes));
+  check_caps("BucketedDDP", options_.caps);
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;  // frozen: never communicated
     params_.push_back(item.value());
@@ -281,9 +278,7 @@ BackwardProfile BucketedDDP::last_backward_profile() const {
 }
 
 void BucketedDDP::set_caps(BucketCaps caps) {
-  if (caps.first_bytes <= 0 || caps.bytes <= 0)
-    throw std::invalid_argument("BucketedDDP::set_caps: bucket caps must be positive; got first " +
-                                std::to_string(caps.first_bytes) + " bytes, then " + std::to_string(caps.bytes));
+  check_caps("BucketedDDP::set_caps", caps);
   if (ready_order_.empty())
     throw std::logic_error(
         "BucketedDDP::set_caps: expected a completed synchronized backward (its ready order lays "

@@ -64,7 +64,15 @@ LinkCost measure_all_reduce_cost(Communicator& comm, c10::Device device, const s
   return {both[0].item<double>(), both[1].item<double>()};
 }
 
-double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, LinkCost cost) {
+namespace {
+
+// One backward replayed with `caps`: its modelled exposed time and how many buckets it had.
+struct Replay {
+  double exposed_ns = 0;
+  size_t buckets = 0;
+};
+
+Replay replay(const BackwardProfile& profile, BucketCaps caps, LinkCost cost) {
   const size_t n = profile.params.size();
   if (n == 0 || profile.ready_ns.size() != n || profile.order.size() != n)
     throw std::invalid_argument("modelled_exposed_ns: expected as many ready times and order entries as parameters (" +
@@ -72,7 +80,8 @@ double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, Link
                                 std::to_string(profile.order.size()));
   // Note [The bucket timeline model] (cap_tuning.h).
   double launch = -std::numeric_limits<double>::infinity(), end = launch;
-  for (const auto& bucket : assign_buckets(profile.params, profile.order, caps)) {
+  const auto buckets = assign_buckets(profile.params, profile.order, caps);
+  for (const auto& bucket : buckets) {
     double ready = -std::numeric_limits<double>::infinity();
     int64_t bytes = 0;
     for (size_t i : bucket) {
@@ -82,10 +91,17 @@ double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, Link
     launch = std::max(ready, launch);
     end = std::max(launch, end) + cost.ns(bytes);
   }
-  return std::max(0.0, end - static_cast<double>(profile.end_ns));
+  return {std::max(0.0, end - static_cast<double>(profile.end_ns)), buckets.size()};
 }
 
-BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vector<int64_t> grid) {
+}  // namespace
+
+double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, LinkCost cost) {
+  return replay(profile, caps, cost).exposed_ns;
+}
+
+BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vector<int64_t> grid,
+                       std::optional<BucketCaps> in_use) {
   if (profile.params.empty()) throw std::invalid_argument("choose_caps: expected a profile with parameters; got none");
   if (grid.empty()) {
     int64_t total = 0;
@@ -95,22 +111,22 @@ BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vecto
       if (c >= total) break;
     }
   }
-  for (int64_t c : grid)
-    if (c <= 0) throw std::invalid_argument("choose_caps: expected positive caps; got " + std::to_string(c));
+  for (int64_t c : grid) check_caps("choose_caps", {c, c});
+  if (in_use) check_caps("choose_caps (the caps in use)", *in_use);
   BucketCaps best{grid.front(), grid.front()};
   std::tuple<double, size_t, int64_t, int64_t> best_key{std::numeric_limits<double>::infinity(), 0, 0, 0};
   for (int64_t first : grid)
     for (int64_t later : grid) {
       const BucketCaps caps{first, later};
-      const double exposed = modelled_exposed_ns(profile, caps, cost);
-      const size_t buckets = assign_buckets(profile.params, profile.order, caps).size();
+      const Replay r = replay(profile, caps, cost);
       // least exposed, then fewest buckets, then the larger caps (negated: smaller key wins)
-      const std::tuple<double, size_t, int64_t, int64_t> key{exposed, buckets, -first, -later};
+      const std::tuple<double, size_t, int64_t, int64_t> key{r.exposed_ns, r.buckets, -first, -later};
       if (key < best_key) {
         best_key = key;
         best = caps;
       }
     }
+  if (in_use && replay(profile, *in_use, cost).exposed_ns <= std::get<0>(best_key)) return *in_use;
   return best;
 }
 

@@ -9,7 +9,9 @@
 ///    over micro-batches is visible: a hook on the incoming gradient would miss it, picotron issue #39).
 ///  - *end of backward*: after every gradient of the backward pass was computed and every ready callback ran.
 ///
-/// Threading: callbacks run on the thread that runs backward (on CPU, the caller of `backward()`).
+/// Threading: callbacks run on the thread that runs backward (on CPU, the caller of `backward()`). After each ready
+/// callback that thread passes a progress point (progress.h): while a collective is in flight it yields its core
+/// to the threads that move it (Note [Yielding to communication]).
 
 #include <ATen/core/Tensor.h>
 

@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -69,7 +70,10 @@ double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, Link
 /// @param cost the group's all-reduce cost (measure_all_reduce_cost).
 /// @param grid candidate caps in bytes (default: powers of two from 1 KiB up to the first at or above all the
 ///        gradients' bytes).
+/// @param in_use the caps in use, if any: returned unless the grid's pair models strictly less exposure (the grid
+///        may not hold them, and a change of layout is not free).
 /// @throws std::invalid_argument for an empty profile or a non-positive candidate.
-BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vector<int64_t> grid = {});
+BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vector<int64_t> grid = {},
+                       std::optional<BucketCaps> in_use = std::nullopt);
 
 }  // namespace shardlab::bucketed_ddp

@@ -20,6 +20,11 @@ struct BucketCaps {
   int64_t bytes = int64_t{25} << 20;       ///< cap of every later bucket (default 25 MiB)
 };
 
+/// Checks that both caps are positive.
+/// @param who the caller, named first in the error (e.g. "BucketedDDP::set_caps").
+/// @throws std::invalid_argument naming `who` and both caps when one is not positive.
+void check_caps(const char* who, BucketCaps caps);
+
 /// Groups parameters into buckets.
 ///
 /// Rule (PyTorch DDP's): walk `order`; each parameter joins the open bucket of its dtype; a bucket closes as soon

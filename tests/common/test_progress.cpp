@@ -1,0 +1,100 @@
+// Tests of progress points (Note [Yielding to communication]): a CPU collective is counted in flight from its
+// submission until it completes, and backward yields at each gradient-ready point only while one is in flight and
+// yielding is on. Structure only: what was counted and how many yields, never how long anything took.
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/grad_ready.h"
+#include "shardlab/common/progress.h"
+#include "shardlab/common/thread_ranks.h"
+#include "support/group.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace shardlab {
+namespace {
+
+using test_support::test_group;
+
+// Rank 1 joins rank 0's all-reduce only once rank 0 says so: until then that collective is in flight on rank 0.
+void hold_then_join(Communicator& c, std::atomic<bool>& release) {
+  while (!release.load()) std::this_thread::yield();
+  at::Tensor t = at::ones({4});
+  c.all_reduce(t).wait();
+}
+
+TEST(Progress, ACpuCollectiveIsInFlightFromSubmissionUntilItCompletes) {
+  const int64_t base = collectives_in_flight();
+  std::atomic<bool> release{false};
+  int64_t pending = -1;
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        if (c.rank() == 1) return hold_then_join(c, release);
+        at::Tensor t = at::ones({4});
+        Handle h = c.all_reduce(t);
+        pending = collectives_in_flight() - base;  // rank 1 has not submitted its half yet
+        release = true;
+        h.wait();
+        EXPECT_TRUE(at::equal(t, at::full({4}, 2.0f)));
+      },
+      test_group());
+  EXPECT_EQ(pending, 1) << "rank 0's all-reduce, submitted and not complete, must be counted once";
+  EXPECT_EQ(collectives_in_flight(), base) << "both ranks waited: nothing may stay counted";
+}
+
+TEST(Progress, BackwardYieldsAtEachGradientOnlyWhileACollectiveIsInFlightAndYieldingIsOn) {
+  ASSERT_TRUE(yield_to_communication()) << "progress points are on by default";
+  std::atomic<bool> release{false};
+  uint64_t idle = 0, in_flight = 0, switched_off = 0;
+  size_t ready_calls = 0;
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        if (c.rank() == 1) return hold_then_join(c, release);
+        std::vector<at::Tensor> params{at::randn({3}).set_requires_grad(true), at::randn({2}).set_requires_grad(true),
+                                       at::randn({5}).set_requires_grad(true)};
+        GradientReadiness readiness(
+            params, [&](size_t) { ++ready_calls; }, [] {});
+        auto backward = [&] {
+          const uint64_t before = progress_yields();
+          (params[0].sum() * params[1].sum() + params[2].pow(2).sum()).backward();
+          return progress_yields() - before;
+        };
+        idle = backward();  // nothing in flight
+        at::Tensor t = at::ones({4});
+        Handle h = c.all_reduce(t);  // in flight until rank 1 joins
+        in_flight = backward();
+        set_yield_to_communication(false);
+        switched_off = backward();
+        set_yield_to_communication(true);
+        release = true;
+        h.wait();
+      },
+      test_group());
+  EXPECT_EQ(ready_calls, 9u) << "three backwards of three parameters";
+  EXPECT_EQ(idle, 0u) << "no collective in flight: a progress point must not yield";
+  EXPECT_EQ(in_flight, 3u) << "one yield per gradient-ready point while the all-reduce was in flight";
+  EXPECT_EQ(switched_off, 0u) << "set_yield_to_communication(false) must turn the yields off";
+}
+
+TEST(Progress, AnEndedCollectiveIsNotCountedTwice) {
+  const int64_t base = collectives_in_flight();
+  {
+    detail::InFlight one;
+    EXPECT_EQ(collectives_in_flight(), base + 1);
+    one.end();
+    one.end();  // the waiting thread after the backend's callback: idempotent
+    EXPECT_EQ(collectives_in_flight(), base);
+  }  // and the destructor of an ended one does nothing
+  EXPECT_EQ(collectives_in_flight(), base);
+  { detail::InFlight dropped; }  // never ended: its owner went away
+  EXPECT_EQ(collectives_in_flight(), base) << "a collective whose owner went away must not stay counted";
+}
+
+}  // namespace
+}  // namespace shardlab
