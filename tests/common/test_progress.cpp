@@ -27,6 +27,16 @@ void hold_then_join(Communicator& c, std::atomic<bool>& release) {
   c.all_reduce(t).wait();
 }
 
+// Rank 0's side: releases rank 1 and turns yielding back on however rank 0's body ends (a failed expectation that
+// throws must not leave rank 1 spinning until ctest's timeout).
+struct Release {
+  std::atomic<bool>& release;
+  ~Release() {
+    set_yield_to_communication(true);
+    release = true;
+  }
+};
+
 TEST(Progress, ACpuCollectiveIsInFlightFromSubmissionUntilItCompletes) {
   const int64_t base = collectives_in_flight();
   std::atomic<bool> release{false};
@@ -35,6 +45,7 @@ TEST(Progress, ACpuCollectiveIsInFlightFromSubmissionUntilItCompletes) {
       2,
       [&](Communicator& c) {
         if (c.rank() == 1) return hold_then_join(c, release);
+        Release on_exit{release};
         at::Tensor t = at::ones({4});
         Handle h = c.all_reduce(t);
         pending = collectives_in_flight() - base;  // rank 1 has not submitted its half yet
@@ -56,6 +67,7 @@ TEST(Progress, BackwardYieldsAtEachGradientOnlyWhileACollectiveIsInFlightAndYiel
       2,
       [&](Communicator& c) {
         if (c.rank() == 1) return hold_then_join(c, release);
+        Release on_exit{release};
         std::vector<at::Tensor> params{at::randn({3}).set_requires_grad(true), at::randn({2}).set_requires_grad(true),
                                        at::randn({5}).set_requires_grad(true)};
         GradientReadiness readiness(
@@ -80,6 +92,26 @@ TEST(Progress, BackwardYieldsAtEachGradientOnlyWhileACollectiveIsInFlightAndYiel
   EXPECT_EQ(idle, 0u) << "no collective in flight: a progress point must not yield";
   EXPECT_EQ(in_flight, 3u) << "one yield per gradient-ready point while the all-reduce was in flight";
   EXPECT_EQ(switched_off, 0u) << "set_yield_to_communication(false) must turn the yields off";
+}
+
+TEST(Progress, EveryKindOfCollectiveEndsItsCount) {
+  const int64_t base = collectives_in_flight();
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        at::Tensor t = at::ones({4}), gathered = at::empty({8}), chunk = at::empty({2});
+        c.all_reduce(t, ReduceOp::kAvg).wait();
+        c.broadcast(t, 1).wait();
+        c.all_gather(gathered, t).wait();
+        c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);  // send/recv on a worker thread
+        c.reduce_scatter(chunk, t).wait();
+        c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kAllReduce);
+        c.reduce_scatter(chunk, t).wait();
+        c.barrier();
+        EXPECT_TRUE(at::equal(chunk, at::full({2}, 2.0f)));
+      },
+      test_group());
+  EXPECT_EQ(collectives_in_flight(), base) << "every collective was waited for: none may stay counted";
 }
 
 TEST(Progress, AnEndedCollectiveIsNotCountedTwice) {

@@ -136,9 +136,24 @@ TEST(CapTuning, ChoiceIsTheExhaustiveSearchsBestOnTwoLinks) {
   const BucketCaps kept = choose_caps(p, latency, small_grid, one_bucket);
   EXPECT_EQ(kept.first_bytes, one_bucket.first_bytes) << "better caps in use, off the grid, must be kept";
   EXPECT_EQ(kept.bytes, one_bucket.bytes);
+  ASSERT_LT(
+      replay(bytes, p.ready_ns, p.end_ns, picks[0].first_bytes, picks[0].bytes, latency.alpha_ns,
+             latency.beta_ns_per_byte, &n),
+      replay(bytes, p.ready_ns, p.end_ns, tiny.first_bytes, tiny.bytes, latency.alpha_ns, latency.beta_ns_per_byte, &n))
+      << "the test's premise: 1 KiB buckets model worse than the grid's pick";
   const BucketCaps left = choose_caps(p, latency, grid, tiny);
   EXPECT_EQ(left.first_bytes, picks[0].first_bytes) << "worse caps in use must give way to the grid's pick";
   EXPECT_EQ(left.bytes, picks[0].bytes);
+  // A tie goes to the caps in use: 100 bytes under the pick's caps, off the grid, cut the same buckets (every
+  // gradient is a multiple of 512 bytes and every grid cap of 1 KiB).
+  const BucketCaps same{picks[0].first_bytes - 100, picks[0].bytes - 100};
+  ASSERT_DOUBLE_EQ(
+      replay(bytes, p.ready_ns, p.end_ns, same.first_bytes, same.bytes, latency.alpha_ns, latency.beta_ns_per_byte, &n),
+      replay(bytes, p.ready_ns, p.end_ns, picks[0].first_bytes, picks[0].bytes, latency.alpha_ns,
+             latency.beta_ns_per_byte, &n));
+  const BucketCaps tie = choose_caps(p, latency, grid, same);
+  EXPECT_EQ(tie.first_bytes, same.first_bytes) << "an equal model must keep the caps in use";
+  EXPECT_EQ(tie.bytes, same.bytes);
   EXPECT_THROW(choose_caps(p, latency, grid, BucketCaps{0, 1024}), std::invalid_argument);
 }
 

@@ -41,6 +41,7 @@ expect([shardlab, "train", "--steps", "1", "--json", "/nonexistent-dir/run.json"
        "--json expects a file in an existing directory; got '/nonexistent-dir/run.json'")
 expect([shardlab, "train", "--steps", "1", "--json", "/tmp"], 2, "--json expects a file to write; got '/tmp', a directory")
 expect([shardlab, "train", "--backend", "mpi"], 2, "--backend expects one of gloo|nccl; got 'mpi'")
+expect([shardlab, "train", "--comm-yield", "maybe"], 2, "--comm-yield expects one of on|off; got 'maybe'")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
 expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")
 # Checked once by the driver, before any rank starts (this machine may or may not have CUDA).

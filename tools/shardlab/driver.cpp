@@ -158,7 +158,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / o.train.steps;
       r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / o.train.steps;
       auto first = [&](const char* key) { return text[key].empty() ? 0.0 : text[key][0]; };
-      r.exposed_share_median = first("exposed_share_median");
+      r.exposed_share_median = text["exposed_share"].empty() ? 0 : median(text["exposed_share"]);
       r.progress_yields_per_step = first("progress_yields") / o.train.steps;
       r.peak_param_bytes = first("peak_param_bytes");
       r.peak_param_bytes_theory = first("peak_param_bytes_theory");
@@ -213,12 +213,15 @@ void print_report(const RunReport& r) {
               << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
               << (r.strategy == "fsdp" ? ", measured" : ", a full replica") << "\n";
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
-  if (r.world_size > 1)
+  if (r.world_size > 1) {
     std::cout << "  communication per step: " << r.comm_busy_ms_per_step << " ms in flight, "
-              << r.exposed_comm_ms_per_step << " ms exposed (the training thread waited); the median step's exposed "
-              << 100 * r.exposed_share_median << " % of its in-flight time; "
-              << (r.comm_yield ? std::to_string(r.progress_yields_per_step) + " yields to it per step\n"
-                               : "no yields to it (--comm-yield off)\n");
+              << r.exposed_comm_ms_per_step << " ms exposed (the training thread waited); per step, a median "
+              << 100 * r.exposed_share_median << " % of the in-flight time exposed\n  progress points: ";
+    if (r.comm_yield)
+      std::cout << r.progress_yields_per_step << " yields to communication per step (--comm-yield on)\n";
+    else
+      std::cout << "off (--comm-yield off)\n";
+  }
   if (!r.trace_dir.empty())
     std::cout << "  traces: " << r.trace_dir << "/rank*.trace.json (open in chrome://tracing or ui.perfetto.dev)\n";
   std::cout << std::defaultfloat;

@@ -256,7 +256,7 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
     const bucketed_ddp::LinkCost cost = bucketed_ddp::measure_all_reduce_cost(comm_, device_);
     const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
     const bucketed_ddp::BucketCaps before = ddp.caps();
-    // Rank 0's choice below: the ranks' profiles differ.
+    // Every rank chooses from its own profile; rank 0's choice is broadcast below.
     bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost, {}, before);
     at::Tensor wire = at::tensor({chosen.first_bytes, chosen.bytes}, at::kLong).to(device_);
     comm_.broadcast(wire, 0).wait();

@@ -93,7 +93,7 @@ int run_worker(const RunOptions& options) {
   // Broadcasts after construction (stage 02's one-time bucket rebuild) count as setup, not as per-step traffic.
   double collectives = 0, bytes = 0, sent = 0, setup_collectives = static_cast<double>(setup);
   CommTime comm_ns;
-  double exposed_share_median = 0;
+  std::vector<double> exposed_shares;  // per step with communication: exposed / in flight (the driver takes the median)
   if (comm) {
     std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
     const auto [skip_from, skip_to] = runner->setup_records();
@@ -117,20 +117,16 @@ int run_worker(const RunOptions& options) {
     const auto waits = comm->recorder().waits();
     comm_ns = comm_time(records, waits, first_step_ns, last_step_ns);
     // The typical step, beside the run's total: one slow step (a stalled core) moves a total, not a median.
-    std::vector<double> shares;
     for (size_t s = 0; s + 1 < step_starts_ns.size(); ++s) {
       const CommTime t = comm_time(records, waits, step_starts_ns[s], step_starts_ns[s + 1]);
-      if (t.busy_ns > 0) shares.push_back(static_cast<double>(t.exposed_ns) / static_cast<double>(t.busy_ns));
-    }
-    if (!shares.empty()) {
-      std::nth_element(shares.begin(), shares.begin() + static_cast<std::ptrdiff_t>(shares.size() / 2), shares.end());
-      exposed_share_median = shares[shares.size() / 2];
+      if (t.busy_ns > 0) exposed_shares.push_back(static_cast<double>(t.exposed_ns) / static_cast<double>(t.busy_ns));
     }
   }
   out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
       << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms "
-      << comm_ns.exposed_ns / 1e6 << "\nexposed_share_median " << exposed_share_median << "\nprogress_yields " << yields
-      << "\nbuckets " << runner->buckets() << "\n";
+      << comm_ns.exposed_ns / 1e6 << "\nexposed_share";
+  for (double s : exposed_shares) out << ' ' << s;
+  out << "\nprogress_yields " << yields << "\nbuckets " << runner->buckets() << "\n";
   for (const auto& [key, values] : runner->extra()) {
     out << key;
     for (double v : values) out << ' ' << v;

@@ -111,7 +111,8 @@ BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vecto
       if (c >= total) break;
     }
   }
-  for (int64_t c : grid) check_caps("choose_caps", {c, c});
+  for (int64_t c : grid)
+    if (c <= 0) throw std::invalid_argument("choose_caps: expected positive grid caps; got " + std::to_string(c));
   if (in_use) check_caps("choose_caps (the caps in use)", *in_use);
   BucketCaps best{grid.front(), grid.front()};
   std::tuple<double, size_t, int64_t, int64_t> best_key{std::numeric_limits<double>::infinity(), 0, 0, 0};

@@ -16,8 +16,9 @@ void set_yield_to_communication(bool on);
 /// The current setting of set_yield_to_communication.
 bool yield_to_communication();
 
-/// Collectives on CPU tensors submitted by any Communicator of this process and not yet complete. CUDA collectives
-/// are not counted: their progress is the GPU's, not this CPU's.
+/// Collectives on CPU tensors submitted by any Communicator of this process and not yet complete. Collectives of CUDA
+/// tensors (NCCL's, and Gloo's through host copies) are not counted: a choice, since backward on a GPU leaves its
+/// CPU thread mostly idle.
 int64_t collectives_in_flight();
 
 /// Yields the calling thread's core (sched_yield) when yielding is on and a collective is in flight; returns whether
@@ -28,14 +29,18 @@ bool progress_point();
 uint64_t progress_yields();
 
 namespace detail {
-/// One collective of the count above: begin() once when it is submitted, end() when it completes (or fails). end()
-/// is idempotent, so the backend's completion callback and the waiting thread may both call it; the destructor ends
-/// it too, so a collective whose owner went away never stays counted.
+/// One collective of the count above: constructed when it is submitted (that counts it), end() when it completes
+/// (or fails). end() is idempotent, so the backend's completion callback and the waiting thread may both call it;
+/// the destructor ends it too, so a collective whose owner went away never stays counted.
 class InFlight {
  public:
+  /// Counts one more collective in flight.
   InFlight();
+  /// Ends it, if end() has not.
   ~InFlight();
+  /// Not copyable: one token per collective.
   InFlight(const InFlight&) = delete;
+  /// Not copyable: one token per collective.
   InFlight& operator=(const InFlight&) = delete;
   /// Stops counting this collective (the first call; later calls do nothing). Thread-safe.
   void end();

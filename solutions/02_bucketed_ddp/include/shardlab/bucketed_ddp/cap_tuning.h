@@ -72,7 +72,7 @@ double modelled_exposed_ns(const BackwardProfile& profile, BucketCaps caps, Link
 ///        gradients' bytes).
 /// @param in_use the caps in use, if any: returned unless the grid's pair models strictly less exposure (the grid
 ///        may not hold them, and a change of layout is not free).
-/// @throws std::invalid_argument for an empty profile or a non-positive candidate.
+/// @throws std::invalid_argument for an empty profile, a non-positive candidate or non-positive caps in use.
 BucketCaps choose_caps(const BackwardProfile& profile, LinkCost cost, std::vector<int64_t> grid = {},
                        std::optional<BucketCaps> in_use = std::nullopt);
 
