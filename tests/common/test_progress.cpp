@@ -1,6 +1,7 @@
 // Tests of progress points (Note [Yielding to communication]): a CPU collective is counted in flight from its
 // submission until it completes, and backward yields at each gradient-ready point only while one is in flight and
 // yielding is on. Structure only: what was counted and how many yields, never how long anything took.
+#include "shardlab/common/comm_record.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/progress.h"
@@ -27,8 +28,8 @@ void hold_then_join(Communicator& c, std::atomic<bool>& release) {
   c.all_reduce(t).wait();
 }
 
-// Rank 0's side: releases rank 1 and turns yielding back on however rank 0's body ends (a failed expectation that
-// throws must not leave rank 1 spinning until ctest's timeout).
+// Rank 0's side: releases rank 1 and turns yielding back on however rank 0's body ends (an early return from a failed
+// ASSERT, or an exception, must not leave rank 1 spinning until ctest's timeout).
 struct Release {
   std::atomic<bool>& release;
   ~Release() {
@@ -94,7 +95,9 @@ TEST(Progress, BackwardYieldsAtEachGradientOnlyWhileACollectiveIsInFlightAndYiel
   EXPECT_EQ(switched_off, 0u) << "set_yield_to_communication(false) must turn the yields off";
 }
 
-TEST(Progress, EveryKindOfCollectiveEndsItsCount) {
+// Every path through submit (native Gloo ops, the ring's worker thread, the all-reduce fallback, the blocking barrier)
+// leaves nothing counted once waited for (a token kept alive by a callback or a handle would stay counted).
+TEST(Progress, NoKindOfCollectiveStaysCountedOnceWaitedFor) {
   const int64_t base = collectives_in_flight();
   run_ranks(
       2,
@@ -112,6 +115,23 @@ TEST(Progress, EveryKindOfCollectiveEndsItsCount) {
       },
       test_group());
   EXPECT_EQ(collectives_in_flight(), base) << "every collective was waited for: none may stay counted";
+}
+
+// The backend's completion callback alone ends the count: nobody has waited yet.
+TEST(Progress, TheBackendsCompletionEndsTheCountBeforeAnyWait) {
+  const int64_t base = collectives_in_flight();
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        at::Tensor t = at::ones({4});
+        Handle h = c.all_reduce(t);
+        // Both ranks submitted, so it completes without a wait; poll for that (bounded by the group's timeout).
+        const int64_t deadline = now_ns() + int64_t{30'000'000'000};
+        while (collectives_in_flight() != base && now_ns() < deadline) std::this_thread::yield();
+        EXPECT_EQ(collectives_in_flight(), base) << "completed all-reduces must not be counted before wait()";
+        h.wait();
+      },
+      test_group());
 }
 
 TEST(Progress, AnEndedCollectiveIsNotCountedTwice) {

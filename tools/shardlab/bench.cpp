@@ -361,9 +361,11 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
     targets << "- " << overlap->strategy << " exposed communication = " << exposure(*overlap);
   }
   // Progress points: the same strategy and fixed caps with and without them (rounds interleaved; each row its
-  // fastest round).
+  // fastest round). With --comm-yield off every row ran without them: nothing to compare.
+  if (!o.comm_yield) targets << "- progress points: off in every row (--comm-yield off)\n";
   for (const auto& [with, without] :
        {std::pair<const RunReport*, const RunReport*>{&rows[1], &rows[8]}, {&rows[2], &rows[9]}}) {
+    if (!o.comm_yield) break;
     targets << "- progress points (" << fmt(with->progress_yields_per_step, 1) << " yields per step) for "
             << with->strategy << ": exposed "
             << fmt(pct(with->exposed_comm_ms_per_step, with->comm_busy_ms_per_step), 0)

@@ -218,7 +218,10 @@ void print_report(const RunReport& r) {
               << r.exposed_comm_ms_per_step << " ms exposed (the training thread waited); per step, a median "
               << 100 * r.exposed_share_median << " % of the in-flight time exposed\n  progress points: ";
     if (r.comm_yield)
-      std::cout << r.progress_yields_per_step << " yields to communication per step (--comm-yield on)\n";
+      std::cout << r.progress_yields_per_step << " yields to communication per step (--comm-yield on"
+                << (r.backend == "nccl" || r.train.device != "cpu" ? "; collectives of CUDA tensors are not counted"
+                                                                   : "")
+                << ")\n";
     else
       std::cout << "off (--comm-yield off)\n";
   }

@@ -16,9 +16,9 @@ void set_yield_to_communication(bool on);
 /// The current setting of set_yield_to_communication.
 bool yield_to_communication();
 
-/// Collectives on CPU tensors submitted by any Communicator of this process and not yet complete. Collectives of CUDA
-/// tensors (NCCL's, and Gloo's through host copies) are not counted: a choice, since backward on a GPU leaves its
-/// CPU thread mostly idle.
+/// Collectives on CPU tensors submitted by any Communicator of this process and not yet complete (and Gloo barriers,
+/// which have no tensor). Collectives of CUDA tensors (NCCL's, and Gloo's through host copies) are not counted: a
+/// choice, since backward on a GPU leaves its CPU thread mostly idle.
 int64_t collectives_in_flight();
 
 /// Yields the calling thread's core (sched_yield) when yielding is on and a collective is in flight; returns whether
