@@ -6,9 +6,10 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A bucketed DDP overlaps its all-reduces with backward only if the threads that move them (Gloo's worker and
 // transport threads) get a core while backward computes. With as many busy compute threads as cores (2 ranks of
-// one thread on 2 cores, the course's machine; or N ranks on N cores) they often do not: Linux's fair scheduler
-// (EEVDF, 6.6+) lets the running compute thread finish its time slice (0.75 ms x (1 + log2 cores)) before a woken
-// thread gets its core, and a Gloo all-reduce needs several such wake-ups in turn on both ranks. Traced with
+// one thread on 2 cores, the course's machine; or N ranks on N cores) they often do not get it in time: Linux's
+// fair scheduler may let the running compute thread keep its core for the rest of its time slice (EEVDF, 6.6+:
+// 0.75 ms x (1 + log2 cores)) before a woken thread runs, and a Gloo all-reduce needs several wake-ups in turn on
+// both ranks. That is our reading; what was measured is this. Traced with
 // `shardlab train --strategy overlap_optimizer --model tiny_gpt --trace DIR` (2 processes, 2 cores): an all-reduce
 // launched by both ranks within 40 us took a median 2.6 ms while both ranks computed, against 0.15-0.3 ms with
 // the cores idle; the buckets' all-reduces then finished one after another only once backward had ended, and all of
@@ -22,6 +23,10 @@
 // collectives of CUDA tensors are not counted (on a GPU, backward leaves its CPU thread mostly idle). A process-wide
 // switch, set_yield_to_communication(false), turns it off, e.g. for a machine with cores to spare, where it would
 // change nothing but cost a system call per gradient.
+// Tried in the same traces and dropped: a short scheduler slice for Gloo's threads (sched_setattr) and SCHED_BATCH
+// for the compute thread changed nothing clear; SCHED_IDLE for the compute thread shortened the all-reduces but
+// starves compute whenever anything else runs; an all-reduce of our own over send/recv (a ring) was no faster than
+// Gloo's at these sizes (0.74-1.47x idle, up to 3x slower under load).
 
 namespace shardlab {
 namespace {
