@@ -37,7 +37,7 @@ else:
         errors.append(f"max_param_diff {report['max_param_diff']} > {max_diff}")
     # The theory is the tool's own (tools/shardlab/strategies.cpp), computed apart from the strategy's code: for the
     # bucketed strategies a count of the cap rule, not stage 02's assign_buckets, so a wrong rule shows here.
-    auto = "auto" in args[args.index("--bucket-cap-kb") + 1:][:1] if "--bucket-cap-kb" in args else False
+    auto = any(a == "--bucket-cap-kb" and v == "auto" for a, v in zip(args, args[1:]))
     if auto:
         # --bucket-cap-kb auto: the caps change after step 2, so the count per step is no longer one theory's.
         # Instead: the choice is reported, and by the model it exposes no more than the caps it replaced.
@@ -47,6 +47,11 @@ else:
             errors.append(f"expected auto_caps [first, later, alpha, beta, exposed before, exposed after]; got {caps}")
         elif not (caps[0] > 0 and caps[1] > 0 and caps[5] <= caps[4] + 1e-6):
             errors.append(f"auto caps must be positive and model no more exposure than before; got {caps}")
+        # ... and the layout took them: the buckets at the end are what the cap rule makes of the chosen caps.
+        print("buckets", report.get("buckets"), "theory for the chosen caps", report.get("auto_caps_buckets_theory"))
+        if report.get("buckets") != report.get("auto_caps_buckets_theory"):
+            errors.append(f"after auto caps the layout has {report.get('buckets')} buckets; the chosen caps make "
+                          f"{report.get('auto_caps_buckets_theory')} by the cap rule (set_caps not taken?)")
     elif report["collectives_per_step"] != report["collectives_per_step_theory"]:
         errors.append(f"collectives per step {report['collectives_per_step']} differ from theory "
                       f"{report['collectives_per_step_theory']}")

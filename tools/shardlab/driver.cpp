@@ -165,6 +165,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.peak_grad_bytes = first("peak_grad_bytes");
       r.peak_grad_bytes_theory = first("peak_grad_bytes_theory");
       r.auto_caps = text["auto_caps"];
+      r.auto_caps_buckets_theory = first("auto_caps_buckets_theory");
     }
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
@@ -306,7 +307,10 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"peak_grad_bytes_theory\": " << r.peak_grad_bytes_theory << ",\n"
       << pad << "  \"auto_caps\": ";
   json_array(out, r.auto_caps);
-  out << ",\n" << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n" << pad << "}";
+  out << ",\n"
+      << pad << "  \"auto_caps_buckets_theory\": " << r.auto_caps_buckets_theory << ",\n"
+      << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n"
+      << pad << "}";
 }
 
 }  // namespace

@@ -40,6 +40,9 @@ struct RunReport {
   /// --bucket-cap-kb auto (rank 0, empty otherwise): chosen first and later cap (bytes), alpha (ns), beta (ns per
   /// byte), modelled exposed ns with the caps before and with the chosen ones.
   std::vector<double> auto_caps;
+  /// --bucket-cap-kb auto: how many buckets the chosen caps make by the cap rule over the order the layout took
+  /// (0 otherwise); the report's `buckets` must equal it once the new layout is in use.
+  double auto_caps_buckets_theory = 0;
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into

@@ -197,12 +197,13 @@ bucketed_ddp::Options ddp_options(const StrategyOptions& s, const std::string& m
   return o;
 }
 
-// How many buckets the cap rule of bucket_plan.h makes of `params` taken in reverse registration order. Counted
-// here from the rule as documented, not with stage 02's assign_buckets: the theory must come from somewhere else
-// than the code it checks, or a wrong cap rule would agree with itself. The rule: per dtype, gradients join the
-// open bucket in turn; a bucket closes once it holds at least its cap (first_bytes for the first bucket of each
-// dtype, bytes after), and whatever is still open at the end is one more bucket.
-int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const bucketed_ddp::BucketCaps& caps) {
+// How many buckets the cap rule of bucket_plan.h makes of `params` taken in `order`. Counted here from the rule
+// as documented, not with stage 02's assign_buckets: the theory must come from somewhere else than the code it
+// checks, or a wrong cap rule would agree with itself. The rule: per dtype, gradients join the open bucket in turn;
+// a bucket closes once it holds at least its cap (first_bytes for the first bucket of each dtype, bytes after), and
+// whatever is still open at the end is one more bucket.
+int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
+                            const bucketed_ddp::BucketCaps& caps) {
   struct Open {
     int64_t bytes = 0;
     size_t params = 0;
@@ -210,9 +211,10 @@ int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const buckete
   };
   std::map<c10::ScalarType, Open> open;
   int64_t closed = 0;
-  for (auto p = params.rbegin(); p != params.rend(); ++p) {
-    Open& b = open[p->scalar_type()];
-    b.bytes += p->numel() * static_cast<int64_t>(p->element_size());
+  for (size_t i : order) {
+    const at::Tensor& p = params.at(i);
+    Open& b = open[p.scalar_type()];
+    b.bytes += p.numel() * static_cast<int64_t>(p.element_size());
     ++b.params;
     if (b.bytes >= (b.first ? caps.first_bytes : caps.bytes)) {
       ++closed;
@@ -221,6 +223,13 @@ int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const buckete
   }
   for (const auto& [dtype, b] : open) closed += b.params > 0 ? 1 : 0;
   return closed;
+}
+
+// The same, in reverse registration order (the layout before the first rebuild).
+int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const bucketed_ddp::BucketCaps& caps) {
+  std::vector<size_t> reversed(params.size());
+  for (size_t i = 0; i < params.size(); ++i) reversed[i] = params.size() - 1 - i;
+  return buckets_by_cap_rule(params, reversed, caps);
 }
 
 // Bucketed DDP's traffic: one all-reduce per bucket (laid out in reverse registration order, as before the
@@ -263,6 +272,10 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
     wire = wire.cpu();
     chosen = {wire[0].item<int64_t>(), wire[1].item<int64_t>()};
     ddp.set_caps(chosen);
+    // What the new layout must hold: the cap rule over the order it is laid out in (rank 0's, as agree_on_order
+    // gives every rank; the worker reports rank 0's figures), counted apart from stage 02.
+    extra_["auto_caps_buckets_theory"] = {
+        static_cast<double>(buckets_by_cap_rule(profile.params, profile.order, chosen))};
     // The measurement's collectives are setup, not training traffic.
     setup_records_ = {first_record, comm_.recorder().size()};
     extra_["auto_caps"] = {static_cast<double>(chosen.first_bytes),
