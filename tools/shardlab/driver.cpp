@@ -129,6 +129,11 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.train = o.train;
   r.trace_dir = o.trace_dir;
   r.reshard_after_forward = o.strategy_options.reshard_after_forward;
+  if (o.strategy == "fsdp_prefetch") {
+    r.prefetch_depth = o.strategy_options.prefetch_depth;
+    r.prefetch_limit = o.strategy_options.prefetch_limit > 0 ? o.strategy_options.prefetch_limit
+                                                              : std::max(1, o.strategy_options.prefetch_depth);
+  }
   r.comm_yield = o.comm_yield;
   r.backend = strategy.distributed ? o.backend : "none";
   const ReferenceResult ref = train_reference(o.train);
@@ -212,7 +217,7 @@ void print_report(const RunReport& r) {
               << static_cast<int64_t>(r.peak_param_bytes_theory) << "), gradients "
               << static_cast<int64_t>(r.peak_grad_bytes) << " bytes (theory "
               << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
-              << (r.strategy == "fsdp" ? ", measured" : ", a full replica") << "\n";
+              << (r.strategy.rfind("fsdp", 0) == 0 ? ", measured" : ", a full replica") << "\n";
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
   if (r.world_size > 1) {
     std::cout << "  communication per step: " << r.comm_busy_ms_per_step << " ms in flight, "
@@ -300,6 +305,8 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"progress_yields_per_step\": " << r.progress_yields_per_step << ",\n"
       << pad << "  \"layers\": " << r.train.layers << ",\n"
       << pad << "  \"reshard_after_forward\": " << (r.reshard_after_forward ? "true" : "false") << ",\n"
+      << pad << "  \"prefetch_depth\": " << r.prefetch_depth << ",\n"
+      << pad << "  \"prefetch_limit\": " << r.prefetch_limit << ",\n"
       << pad << "  \"dim\": " << r.train.dim << ",\n"
       << pad << "  \"peak_param_bytes\": " << r.peak_param_bytes << ",\n"
       << pad << "  \"peak_param_bytes_theory\": " << r.peak_param_bytes_theory << ",\n"

@@ -125,6 +125,10 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.strategy_options.param_dtype = one_of(flag, v, dtype_names());
     else if (flag == "--reduce-dtype")
       o.strategy_options.reduce_dtype = one_of(flag, v, dtype_names());
+    else if (flag == "--prefetch-depth")
+      o.strategy_options.prefetch_depth = static_cast<int>(parse_int(flag, v, 0, 64));
+    else if (flag == "--prefetch-limit")
+      o.strategy_options.prefetch_limit = static_cast<int>(parse_int(flag, v, 0, 64));
     else
       throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
@@ -208,7 +212,11 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 "--dim",
                                 std::to_string(o.train.dim),
                                 "--reshard-after-forward",
-                                o.strategy_options.reshard_after_forward ? "true" : "false"};
+                                o.strategy_options.reshard_after_forward ? "true" : "false",
+                                "--prefetch-depth",
+                                std::to_string(o.strategy_options.prefetch_depth),
+                                "--prefetch-limit",
+                                std::to_string(o.strategy_options.prefetch_limit)};
   for (const auto& [flag, value] :
        {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
         {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {
@@ -260,6 +268,9 @@ std::string usage() {
          "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the "
          "parameters'\n"
          "  --reduce-dtype T    FSDP: reduce-scatter dtype             default: the param dtype\n"
+         "  --prefetch-depth N  fsdp_prefetch: units whose all-gather is issued ahead, in forward and in\n"
+         "                      backward (0: none)                     default 1\n"
+         "  --prefetch-limit K  fsdp_prefetch: most units ahead at once (0: the depth)  default 0\n"
          "  --threads N         compute threads per rank, libtorch's and OpenBLAS's (0: OMP_NUM_THREADS, which\n"
          "                      the launcher sets to 1 when unset) default 0\n"
          "  --device D          cpu|cuda|cuda:N; cuda = GPU LOCAL_RANK  default cpu\n"

@@ -17,6 +17,8 @@ struct StrategyOptions {
   bool reshard_after_forward = true;  ///< --reshard-after-forward true|false (FSDP units)
   std::string param_dtype;            ///< --param-dtype (FSDP; "" = the parameters' own)
   std::string reduce_dtype;           ///< --reduce-dtype (FSDP; "" = the param dtype)
+  int prefetch_depth = 1;             ///< --prefetch-depth N (fsdp_prefetch): units ahead in forward and backward
+  int prefetch_limit = 0;             ///< --prefetch-limit K (fsdp_prefetch): most units ahead; 0 = the depth
 };
 
 /// Everything one run needs; filled from flags by parse_options.

@@ -35,6 +35,8 @@ struct RunReport {
   double peak_grad_bytes = 0;           ///< rank 0: most gradient bytes held at once (FSDP: measured)
   double peak_grad_bytes_theory = 0;    ///< what theory says
   bool reshard_after_forward = true;    ///< FSDP: the units' setting
+  int prefetch_depth = 0;               ///< fsdp_prefetch: --prefetch-depth (0 for every other strategy)
+  int prefetch_limit = 0;               ///< fsdp_prefetch: the limit in force (0 for every other strategy)
   std::string trace_dir;                ///< where the Chrome traces went ("" = none)
   std::string backend;                  ///< "gloo", "nccl", or "none" (single device)
   /// --bucket-cap-kb auto (rank 0, empty otherwise): chosen first and later cap (bytes), alpha (ns), beta (ns per

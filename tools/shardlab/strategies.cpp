@@ -8,6 +8,7 @@
 #include "shardlab/common/device.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
+#include "shardlab/prefetch/prefetch.h"
 
 #include <ATen/ATen.h>
 
@@ -382,6 +383,19 @@ Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, con
   return t;
 }
 
+// Stage 05: FSDP with the next units' all-gathers issued ahead (--prefetch-depth, --prefetch-limit). The same
+// collectives as fsdp, so the same traffic.
+std::unique_ptr<StepRunner> fsdp_prefetch_runner(const TrainConfig& c, const StrategyOptions& s, Communicator* comm) {
+  auto model = model_on_device(c);
+  auto wrapper = std::make_unique<fsdp::FullyShardedModel>(model, *comm, fsdp_options(s, c.model));
+  prefetch::PrefetchPolicy policy;
+  policy.forward_depth = s.prefetch_depth;
+  policy.backward_depth = s.prefetch_depth;
+  policy.max_in_flight = s.prefetch_limit;
+  prefetch::enable_prefetch(*wrapper, policy);
+  return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper));
+}
+
 }  // namespace
 
 const std::vector<Strategy>& strategies() {
@@ -410,6 +424,8 @@ const std::vector<Strategy>& strategies() {
          return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(
              c, model, std::make_unique<fsdp::FullyShardedModel>(model, *comm, fsdp_options(s, c.model)));
        }},
+      {"fsdp_prefetch", "stage 05: FSDP with the next units' all-gathers in flight while this unit computes", true,
+       fsdp_traffic, fsdp_prefetch_runner},
   };
   return all;
 }

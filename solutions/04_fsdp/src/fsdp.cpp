@@ -1,6 +1,7 @@
 #include "shardlab/fsdp/fsdp.h"
 
 #include "shardlab/common/errors.h"
+#include "shardlab/common/progress.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/core/grad_mode.h>
@@ -27,6 +28,14 @@
 // for (as FSDP2 waits for the previous reduce-scatter's event): it ran while this unit's backward computed, so the
 // wait is short, and at most two units' reduction buffers exist at any time.
 //
+// Note [Progress points in forward]
+// Backward gives its core to communication at every gradient (Note [Yielding to communication] in common); a
+// forward has no such points of its own, and on a machine whose cores all compute, an all-gather issued ahead of its
+// use (stage 05) would then barely move until its unit waits for it. The unit slot is a progress point on both
+// sides of the unit's forward: after pre-forward (when the schedule has just issued the next all-gather) and
+// before post-forward. It yields only while a collective is in flight, and `set_yield_to_communication(false)`
+// (the tool's `--comm-yield off`) turns it off with the others.
+//
 // Note [When a unit may be freed in backward]
 // Once every trainable parameter of a unit has its gradient, every backward node that reads the unit's
 // parameters has run (each such node produces a contribution to one of those gradients), so the gathered
@@ -36,6 +45,19 @@
 // cannot be freed early; such a unit is not supported.
 
 namespace shardlab::fsdp {
+
+const char* to_string(SchedulePoint point) {
+  switch (point) {
+    case SchedulePoint::kPreForward:
+      return "pre_forward";
+    case SchedulePoint::kPostForward:
+      return "post_forward";
+    case SchedulePoint::kPreBackward:
+      return "pre_backward";
+  }
+  return "?";
+}
+
 namespace {
 
 bool is_reduce_scatter_hook(const std::string& name) {
@@ -111,16 +133,24 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
   has_root_ = !groups[root].empty();
   if (has_root_)
     units_.push_back(std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision, hook, meter_));
+  for (size_t u = 0; u < units_.size(); ++u) {
+    units_[u]->set_event_sink([this, u](UnitEventKind kind) {
+      const uint64_t seq = events_++;
+      if (observer_) observer_(UnitEvent{kind, u, seq});
+    });
+  }
 
   for (size_t u = 0; u < root; ++u) {
     inner_forward_.push_back(slots[u].forward);
     slots[u].forward = [this, u](const at::Tensor& x) {
       pre_forward(u);
+      progress_point();  // a prefetched all-gather may be in flight: Note [Progress points in forward]
       // Mixed precision: a floating input is cast to the policy's param dtype when one is set (FSDP2's
       // cast_forward_inputs: the policy's dtype, not the unit's clamped one; no policy, no cast).
       const std::optional<c10::ScalarType>& compute = options_.mixed_precision.param_dtype;
       const bool cast = compute && x.defined() && c10::isFloatingType(x.scalar_type()) && x.scalar_type() != *compute;
       at::Tensor y = inner_forward_[u](cast ? x.to(*compute) : x);
+      progress_point();
       post_forward(u, y);
       return y;
     };
@@ -172,11 +202,14 @@ std::vector<at::Tensor> FullyShardedModel::full_parameters() {
 at::Tensor FullyShardedModel::loss(const Batch& batch) {
   settle_aborted_backward();
   forward_order_.clear();
+  post_forward_order_.clear();
+  if (schedule_) schedule_->begin_iteration(*this);
   const bool training = at::GradMode::is_enabled();
   const size_t root = units_.size() - 1;
   if (has_root_) pre_forward(root);
   at::Tensor out = model_->loss(batch);
   if (has_root_) post_forward(root, out);
+  last_forward_order_ = forward_order_;
   if (training && out.requires_grad()) {
     std::weak_ptr<int> alive = alive_;
     out.register_hook([this, alive](const at::Tensor&) {
@@ -196,6 +229,7 @@ void FullyShardedModel::pre_forward(size_t u) {
   // BEGIN SOLUTION(04): the unit's parameters must hold their full values while its forward runs
   units_[u]->unshard();
   // END SOLUTION
+  consult_schedule(SchedulePoint::kPreForward, u);
 }
 
 void FullyShardedModel::post_forward(size_t u, const at::Tensor& output) {
@@ -208,6 +242,8 @@ void FullyShardedModel::post_forward(size_t u, const at::Tensor& output) {
     });
   }
   // END SOLUTION
+  post_forward_order_.push_back(u);
+  consult_schedule(SchedulePoint::kPostForward, u);
 }
 
 void FullyShardedModel::pre_backward(size_t u) {
@@ -215,6 +251,24 @@ void FullyShardedModel::pre_backward(size_t u) {
   // BEGIN SOLUTION(04): the unit's backward is next: its parameters must be gathered
   units_[u]->unshard();
   // END SOLUTION
+  consult_schedule(SchedulePoint::kPreBackward, u);
+}
+
+void FullyShardedModel::consult_schedule(SchedulePoint point, size_t u) {
+  if (schedule_) schedule_->at(point, u, *this);
+}
+
+void FullyShardedModel::begin_unshard(size_t u) {
+  if (u >= units_.size())
+    throw std::invalid_argument("FullyShardedModel::begin_unshard: expected a unit index below " +
+                                std::to_string(units_.size()) + "; got " + std::to_string(u));
+  units_[u]->begin_unshard();
+}
+
+void FullyShardedModel::wait_for_reduce(Handle& reduce) {
+  const int64_t start = now_ns();
+  reduce.wait();
+  comm_.recorder().record_wait("fsdp reduce", start, now_ns());
 }
 
 void FullyShardedModel::on_gradient_ready(size_t g) {
@@ -256,7 +310,7 @@ void FullyShardedModel::launch_ready_reductions() {
     const size_t u = reduce_order_[next_reduce_++];
     // One reduce-scatter in flight: the previous one has had this unit's backward to finish; waiting for it here
     // frees its buffers before the next are allocated (see Note [One reduce-scatter in flight]).
-    if (!pending_.empty()) pending_.back().wait();
+    if (!pending_.empty()) wait_for_reduce(pending_.back());
     pending_.push_back(units_[u]->reduce_gradients(&unused_));
   }
   // END SOLUTION
@@ -309,6 +363,40 @@ void FullyShardedModel::reset_iteration() {
   ready_.assign(watched_.size(), false);
 }
 
+// Note [The parameter peak, walked]
+// The peak is not one formula: it depends on which units stay gathered (the root; every unit without raf) and on
+// what is in flight beside the unit at its copy-out. So the theory walks the forward in its expected order (the
+// last forward's, or registration order with the root first) and keeps the largest of, at each unit u:
+//  - its copy-out: what stays gathered so far + u's gathered buffer + u's all-gather buffer + those of the units
+//    already ahead beside it (the next k-1 when k units may be ahead; none before the first unit);
+//  - right after it, when the schedule prefetches: the same without u's all-gather buffer, with the next k units'.
+// Backward with raf meets the same moments in the reverse order (a unit is freed when its gradients are in, before
+// the next unit's copy-out), so the forward walk is the peak of the step.
+int64_t FullyShardedModel::parameter_peak(int64_t ahead) const {
+  std::vector<size_t> order = last_forward_order_;
+  if (order.empty()) {
+    if (has_root_) order.push_back(units_.size() - 1);
+    for (size_t u = 0; u + (has_root_ ? 1 : 0) < units_.size(); ++u) order.push_back(u);
+  }
+  int64_t held = 0;  // the shards, then every unit that stays gathered
+  for (const auto& unit : units_) held += unit->sharded_bytes();
+  int64_t peak = held;
+  auto next_all_gathers = [&](size_t i, int64_t count) {
+    int64_t bytes = 0;
+    for (size_t j = i + 1; j < order.size() && static_cast<int64_t>(j - i) <= count; ++j)
+      bytes += units_[order[j]]->all_gather_bytes();
+    return bytes;
+  };
+  for (size_t i = 0; i < order.size(); ++i) {
+    const FsdpUnit& unit = *units_[order[i]];
+    const int64_t beside = i == 0 ? 0 : next_all_gathers(i, ahead - 1);
+    const int64_t gathered = held + unit.gathered_capacity_bytes();
+    peak = std::max({peak, gathered + unit.all_gather_bytes() + beside, gathered + next_all_gathers(i, ahead)});
+    if (!raf(order[i]) || (has_root_ && order[i] + 1 == units_.size())) held = gathered;  // it stays gathered
+  }
+  return peak;
+}
+
 MemoryTheory FullyShardedModel::memory_theory() const {
   MemoryTheory t;
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -323,6 +411,7 @@ MemoryTheory FullyShardedModel::memory_theory() const {
       row += fp.spec.padded_numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().reduce));
     }
     t.largest_reduce_bytes = std::max(t.largest_reduce_bytes, (comm_.size() + 1) * row);
+    t.largest_all_gather_bytes = std::max(t.largest_all_gather_bytes, unit.all_gather_bytes());
     if (is_root) {
       t.root_bytes = unit.gathered_capacity_bytes();
       t.peak_grad_bytes += unsharded_grads;  // the root's gradients live through the whole backward
@@ -332,9 +421,8 @@ MemoryTheory FullyShardedModel::memory_theory() const {
       t.largest_unit_grad_bytes = std::max(t.largest_unit_grad_bytes, unsharded_grads);
     }
   }
-  // The root is gathered for the whole forward (its forward is the model's loss()).
-  t.peak_param_bytes = t.sharded_param_bytes + t.root_bytes +
-                       (options_.reshard_after_forward ? t.largest_unit_bytes : t.all_units_bytes);
+  t.ahead = schedule_ ? schedule_->max_ahead() : 0;
+  t.peak_param_bytes = parameter_peak(t.ahead);
   t.peak_grad_bytes += t.sharded_grad_bytes + t.largest_unit_grad_bytes;
   return t;
 }

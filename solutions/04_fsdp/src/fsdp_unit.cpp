@@ -1,5 +1,6 @@
 #include "shardlab/fsdp/fsdp_unit.h"
 
+#include "shardlab/common/comm_record.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 
@@ -18,8 +19,10 @@
 //    the buffer has 0 bytes.
 // The all-gather output is rank-major (block r = rank r's shards), but a full parameter needs its rows from every
 // block: one all-gather per unit means one copy-out (FSDP2's split_with_sizes_copy). For the moment of the copy
-// both the all-gather buffer and the gathered buffer exist: the unit's measured peak is about twice its gathered
-// size, which the memory report shows beside the theory that counts the gathered parameters only.
+// both the all-gather buffer and the gathered buffer exist: the unit's peak is about twice its gathered size, and
+// MemoryTheory counts both. The gathered buffer gets its bytes only then, at copy-out (as FSDP2 allocates its
+// unsharded parameters at copy-out), so a unit whose all-gather is in flight early (stage 05's prefetch) holds its
+// all-gather buffer only.
 //
 // Note [Why the registered tensor never changes]
 // Autograd saves the registered tensor (a Linear saves its weight) in the forward and checks its version counter
@@ -37,6 +40,22 @@ std::string describe(const at::Tensor& t) {
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0; }
 
 }  // namespace
+
+const char* to_string(UnitEventKind kind) {
+  switch (kind) {
+    case UnitEventKind::kBeginUnshard:
+      return "begin_unshard";
+    case UnitEventKind::kFinishUnshard:
+      return "finish_unshard";
+    case UnitEventKind::kReshard:
+      return "reshard";
+    case UnitEventKind::kReduceLaunched:
+      return "reduce_launched";
+    case UnitEventKind::kReduceLanded:
+      return "reduce_landed";
+  }
+  return "?";
+}
 
 const char* to_string(UnitState state) {
   switch (state) {
@@ -150,18 +169,24 @@ int64_t FsdpUnit::gathered_capacity_bytes() const { return gathered_numel_ * c10
 
 int64_t FsdpUnit::sharded_bytes() const { return bytes_of(sharded_flat_); }
 
+int64_t FsdpUnit::all_gather_bytes_held() const { return storage_bytes(all_gather_out_); }
+
+int64_t FsdpUnit::all_gather_bytes() const {
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtypes_.param));
+  return (comm_.size() + (dtypes_.casts_params() ? 1 : 0)) * shard_numel_ * elem;
+}
+
 void FsdpUnit::begin_unshard() {
   if (state_ != UnitState::kSharded) return;
   at::NoGradGuard no_grad;
-  // BEGIN SOLUTION(04): regrow the gathered buffer, issue one all-gather of this rank's padded shards
-  regrow_storage(gathered_, gathered_capacity_bytes());
+  // BEGIN SOLUTION(04): issue one all-gather of this rank's padded shards (the gathered buffer waits for copy-out)
   all_gather_in_ = dtypes_.casts_params() ? sharded_flat_.to(dtypes_.param) : sharded_flat_;
   all_gather_out_ = at::empty({comm_.size() * shard_numel_}, gathered_.options());
   all_gather_ = comm_.all_gather(all_gather_out_, all_gather_in_);
   state_ = UnitState::kUnsharding;
   // END SOLUTION
-  meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes() + bytes_of(all_gather_out_) +
-                                           (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0));
+  meter_.allocate(MemoryKind::kParams, all_gather_bytes());
+  emit(UnitEventKind::kBeginUnshard);
 }
 
 void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
@@ -181,9 +206,13 @@ void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
 void FsdpUnit::finish_unshard() {
   if (state_ == UnitState::kUnsharded) return;
   if (state_ == UnitState::kSharded) begin_unshard();
-  const int64_t transient = bytes_of(all_gather_out_) + (dtypes_.casts_params() ? bytes_of(all_gather_in_) : 0);
-  // BEGIN SOLUTION(04): wait for the all-gather, copy out into the gathered buffer, drop the all-gather's buffers
-  all_gather_.wait();
+  const int64_t transient = all_gather_bytes();
+  const int64_t wait_start = now_ns();
+  all_gather_.wait();  // what the host waits for is recorded: it is exposed communication
+  comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
+  meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes());
+  // BEGIN SOLUTION(04): give the gathered buffer its bytes, copy out into it, drop the all-gather's buffers
+  regrow_storage(gathered_, gathered_capacity_bytes());
   {
     at::NoGradGuard no_grad;
     copy_out(all_gather_out_, gathered_);  // through the buffer: Note [Why the registered tensor never changes]
@@ -193,6 +222,7 @@ void FsdpUnit::finish_unshard() {
   state_ = UnitState::kUnsharded;
   // END SOLUTION
   meter_.release(MemoryKind::kParams, transient);
+  emit(UnitEventKind::kFinishUnshard);
 }
 
 void FsdpUnit::reshard() {
@@ -203,6 +233,7 @@ void FsdpUnit::reshard() {
   state_ = UnitState::kSharded;
   // END SOLUTION
   meter_.release(MemoryKind::kParams, gathered_capacity_bytes());
+  emit(UnitEventKind::kReshard);
 }
 
 void FsdpUnit::count_sharded_gradients() {
@@ -282,10 +313,12 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   }
   // END SOLUTION
   Handle reduced = hook_(input.view({-1}), output);
+  emit(UnitEventKind::kReduceLaunched);
   return std::move(reduced).then([this, input, output, transient, generation = generation_] {
     at::NoGradGuard no_grad;
     if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
       meter_.release(MemoryKind::kGrads, transient);
+      emit(UnitEventKind::kReduceLanded);
       return;
     }
     // BEGIN SOLUTION(04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
@@ -303,6 +336,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
     // END SOLUTION
     count_sharded_gradients();
     meter_.release(MemoryKind::kGrads, transient);
+    emit(UnitEventKind::kReduceLanded);
   });
 }
 

@@ -18,7 +18,8 @@
 ///
 /// States: sharded --begin_unshard--> unsharding --finish_unshard--> unsharded --reshard--> sharded.
 ///  - sharded:    gathered buffer at 0 bytes; no all-gather in flight.
-///  - unsharding: the all-gather is in flight; the gathered buffer has its bytes but not yet its values.
+///  - unsharding: the all-gather is in flight into the all-gather buffer; the gathered buffer still has 0 bytes (it
+///    gets them at copy-out, so a unit prefetched early holds only what its all-gather needs).
 ///  - unsharded:  every gathered parameter holds the full values (bit for bit the shards, cast to param dtype).
 /// begin_unshard / finish_unshard are split so that stage 05 can issue the next unit's all-gather early.
 
@@ -31,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +44,20 @@ enum class UnitState { kSharded, kUnsharding, kUnsharded };
 
 /// "sharded", "unsharding", "unsharded".
 const char* to_string(UnitState state);
+
+/// What happened to a unit: the transitions of its state machine and its gradients' reduction (what an observer of
+/// the schedule sees; see FullyShardedModel::set_observer).
+enum class UnitEventKind {
+  kBeginUnshard,    ///< sharded -> unsharding: its all-gather was issued
+  kFinishUnshard,   ///< unsharding -> unsharded: the all-gather landed and was copied out
+  kReshard,         ///< unsharded -> sharded: the gathered buffer went back to 0 bytes
+  kReduceLaunched,  ///< its gradients' reduce-scatter was issued
+  kReduceLanded,    ///< that reduce-scatter completed and was waited for (its result applied, or dropped after a
+                    ///< backward that threw)
+};
+
+/// "begin_unshard", "finish_unshard", "reshard", "reduce_launched", "reduce_landed".
+const char* to_string(UnitEventKind kind);
 
 /// One parameter managed by a unit.
 struct FsdpParam {
@@ -93,11 +109,12 @@ class FsdpUnit {
   /// Number of trainable parameters.
   size_t trainable_count() const;
 
-  /// sharded -> unsharding: gives the gathered buffer its bytes and issues one all-gather of the padded shards
-  /// (cast to the param dtype). No-op in any other state. A collective.
+  /// sharded -> unsharding: issues one all-gather of the padded shards (cast to the param dtype) into a new
+  /// all-gather buffer. No-op in any other state. A collective.
   void begin_unshard();
-  /// unsharding -> unsharded: waits for the all-gather and copies every rank's real rows out into the gathered
-  /// parameters; the all-gather buffer is freed. From sharded it begins first. No-op when unsharded.
+  /// unsharding -> unsharded: waits for the all-gather (recorded as the wait "fsdp unshard"), gives the gathered
+  /// buffer its bytes and copies every rank's real rows out into it; the all-gather buffer is freed. From sharded it
+  /// begins first. No-op when unsharded.
   /// @throws std::runtime_error (from the Communicator) when the all-gather fails or times out.
   void finish_unshard();
   /// begin_unshard() then finish_unshard().
@@ -115,6 +132,11 @@ class FsdpUnit {
   int64_t gathered_capacity_bytes() const;
   /// Bytes of the sharded buffer (this rank's padded shards).
   int64_t sharded_bytes() const;
+  /// Bytes an all-gather in flight holds: its output (S blocks of the padded shards, param dtype) and, with a param
+  /// dtype that differs from the original, the cast shards it sends.
+  int64_t all_gather_bytes() const;
+  /// Bytes the all-gather buffer holds now (its storage; 0 unless an all-gather is in flight).
+  int64_t all_gather_bytes_held() const;
 
   /// Counts params()[k]'s unsharded gradient in the meter (once, until it is reduced or stashed). Called by the
   /// wrapper when the gradient has been accumulated.
@@ -134,6 +156,10 @@ class FsdpUnit {
   /// backward that threw: nothing it left may reach the next step's gradients). Not a collective.
   void discard_unsharded_gradients();
 
+  /// Calls `sink` with every event of this unit from now on (UnitEventKind), on the thread that caused it; an empty
+  /// function stops it. Only real transitions are reported: a begin_unshard that was a no-op reports nothing.
+  void set_event_sink(std::function<void(UnitEventKind)> sink) { sink_ = std::move(sink); }
+
   /// Throws what the constructor would throw for these parameters, building nothing (so a wrapper can check every
   /// unit before it changes any). @throws std::invalid_argument as the constructor.
   static void validate(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params);
@@ -146,6 +172,9 @@ class FsdpUnit {
   void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
   void release_gradient(size_t k);
   void count_sharded_gradients();
+  void emit(UnitEventKind kind) const {
+    if (sink_) sink_(kind);
+  }
 
   std::string name_;
   Communicator& comm_;
@@ -165,6 +194,7 @@ class FsdpUnit {
   std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
   std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
   std::vector<int64_t> sharded_grad_bytes_;                    // ... and its bytes
+  std::function<void(UnitEventKind)> sink_;  // set_event_sink
   UnitState state_ = UnitState::kSharded;
   uint64_t generation_ = 0;  // bumped by discard_unsharded_gradients: older reductions are dropped on arrival
 };

@@ -36,11 +36,53 @@
 #include "shardlab/fsdp/mixed_precision.h"
 #include "shardlab/naive_ddp/no_sync.h"
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace shardlab::fsdp {
+
+class FullyShardedModel;
+
+/// The points of a unit's step at which FullyShardedModel consults its UnshardSchedule.
+enum class SchedulePoint {
+  kPreForward,   ///< the unit is unsharded and its forward is about to compute
+  kPostForward,  ///< the unit's forward returned (and the unit was resharded, when it reshards after forward)
+  kPreBackward,  ///< the unit is unsharded and its backward is about to compute
+};
+
+/// "pre_forward", "post_forward", "pre_backward".
+const char* to_string(SchedulePoint point);
+
+/// Extension point: which units begin unsharding *before* their own use (stage 05's prefetch plugs in here). Without
+/// one (stage 04), every unit is gathered by its own pre-forward and pre-backward, and nothing else is in flight.
+///
+/// Contract: called on the thread that runs the forward or the backward, the same way on every rank. What it
+/// unshards are collectives, so it must decide from what every rank sees alike (the orders, the units' states, its
+/// own settings), never from timing. It may only call FullyShardedModel::begin_unshard (and read the wrapper).
+class UnshardSchedule {
+ public:
+  virtual ~UnshardSchedule() = default;
+  /// A new forward begins (`loss()`), after any backward that ended early was settled.
+  virtual void begin_iteration(FullyShardedModel& /*fsdp*/) {}
+  /// Unit `u` (an index into FullyShardedModel::units()) is at `point`.
+  virtual void at(SchedulePoint point, size_t u, FullyShardedModel& fsdp) = 0;
+  /// The most units this schedule holds ahead of their use (all-gather issued, unit not yet used):
+  /// FullyShardedModel::memory_theory counts an all-gather buffer for each.
+  virtual int max_ahead() const { return 0; }
+};
+
+/// One event of a unit, as an observer sees it (FullyShardedModel::set_observer).
+struct UnitEvent {
+  UnitEventKind kind = UnitEventKind::kBeginUnshard;  ///< what happened
+  size_t unit = 0;                                    ///< index into FullyShardedModel::units()
+  uint64_t seq = 0;                                   ///< this rank's event count before it (0, 1, 2, ...)
+};
+
+/// Receives every UnitEvent, on the thread that caused it.
+using UnitObserver = std::function<void(const UnitEvent&)>;
 
 /// How FullyShardedModel shards, gathers and reduces.
 struct Options {
@@ -60,11 +102,15 @@ struct MemoryTheory {
   int64_t root_bytes = 0;               ///< the root gathered
   int64_t sharded_grad_bytes = 0;       ///< the sharded gradients of the trainable parameters
   int64_t largest_unit_grad_bytes = 0;  ///< the largest unit's unsharded gradients (param dtype)
-  int64_t peak_param_bytes = 0;         ///< the parameter peak of a step with the options used: Σψ/N + the largest
-                                        ///< unit (raf true) or every unit (raf false) + the root when it stays gathered
+  int64_t peak_param_bytes = 0;         ///< the parameter peak of a step with the options and schedule used: Σψ/N
+                                        ///< + what stays gathered (the root; every unit without raf) + the largest
+                                        ///< moment of one unit: its gathered buffer beside its own all-gather buffer
+                                        ///< at copy-out and those of the units `ahead` (walked in forward order)
   int64_t peak_grad_bytes = 0;          ///< the gradient peak: sharded grads + the root's unsharded grads (alive
                                         ///< through the whole backward) + the largest unit's unsharded grads
   int64_t largest_reduce_bytes = 0;     ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
+  int64_t largest_all_gather_bytes = 0;  ///< the largest unit's all-gather buffers (FsdpUnit::all_gather_bytes)
+  int64_t ahead = 0;                     ///< units the schedule may hold ahead of their use (UnshardSchedule)
 };
 
 /// Wraps a Model so that N ranks train it sharded, exactly like one device on the union of their batches.
@@ -125,6 +171,26 @@ class FullyShardedModel {
   void reset_memory_peaks() { meter_.reset_peaks(); }
   /// What the peaks should be for this layout and these options.
   MemoryTheory memory_theory() const;
+  /// Issues unit `u`'s all-gather now when the unit is sharded (no-op otherwise): its own pre-forward or
+  /// pre-backward then only waits for it. For an UnshardSchedule. A collective: every rank issues the same.
+  void begin_unshard(size_t u);
+  /// Plugs in a schedule (null: none, stage 04's behaviour). Set it on every rank alike, between steps.
+  void set_schedule(std::shared_ptr<UnshardSchedule> schedule) { schedule_ = std::move(schedule); }
+  /// The schedule in use, or null.
+  UnshardSchedule* schedule() const { return schedule_.get(); }
+  /// Calls `observer` with every unit event from now on (an empty function: none).
+  void set_observer(UnitObserver observer) { observer_ = std::move(observer); }
+  /// The units (indices into units()) in the order their forward began in this forward so far; the root, whose
+  /// forward is the whole `loss()`, comes first.
+  const std::vector<size_t>& forward_order() const { return forward_order_; }
+  /// The units in the order their forward returned in this forward so far (the root last). Backward meets them in
+  /// the reverse order: each unit's pre-backward hook is on its output.
+  const std::vector<size_t>& post_forward_order() const { return post_forward_order_; }
+  /// forward_order() of the last complete forward (empty before the first one returned).
+  const std::vector<size_t>& last_forward_order() const { return last_forward_order_; }
+  /// The index of the root in units(), or units().size() when there is no root.
+  size_t root_index() const { return has_root_ ? units_.size() - 1 : units_.size(); }
+
   /// Keeps a sample of the bytes held at every allocation and free from now on (for timelines; off by default).
   void record_memory_samples(bool on) { meter_.record_samples(on); }
   /// The samples kept so far.
@@ -135,6 +201,9 @@ class FullyShardedModel {
   void pre_forward(size_t u);
   void post_forward(size_t u, const at::Tensor& output);
   void pre_backward(size_t u);
+  void consult_schedule(SchedulePoint point, size_t u);
+  int64_t parameter_peak(int64_t ahead) const;
+  void wait_for_reduce(Handle& reduce);
   void on_gradient_ready(size_t g);
   void on_unit_ready(size_t u);
   void launch_ready_reductions();
@@ -153,8 +222,14 @@ class FullyShardedModel {
   std::vector<std::pair<size_t, size_t>> owner_;  // watched index -> (unit, index in the unit's params())
   std::vector<std::pair<size_t, size_t>> order_;  // registration order -> (unit, index in the unit)
 
+  std::shared_ptr<UnshardSchedule> schedule_;  // set_schedule; null: none
+  UnitObserver observer_;                      // set_observer
+  uint64_t events_ = 0;                        // unit events so far (UnitEvent::seq)
+  std::vector<size_t> last_forward_order_;     // forward_order_ of the last complete forward
+
   // One iteration (forward + backward); reset by reset_iteration().
-  std::vector<size_t> forward_order_;  // units in the order their forward ran
+  std::vector<size_t> forward_order_;       // units in the order their forward began
+  std::vector<size_t> post_forward_order_;  // units in the order their forward returned
   std::vector<size_t> reduce_order_;   // the order reduce-scatters are launched in (reverse forward, then the rest)
   size_t next_reduce_ = 0;             // next position of reduce_order_ to launch
   std::vector<size_t> missing_;        // per unit: trainable parameters whose gradient has not come

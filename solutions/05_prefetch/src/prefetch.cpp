@@ -1,0 +1,126 @@
+#include "shardlab/prefetch/prefetch.h"
+
+#include "shardlab/common/errors.h"
+
+#include <algorithm>
+#include <string>
+
+// Note [The backward order is the reverse of the post-forward order]
+// A unit's pre-backward hook sits on its output (stage 04's post_forward registers it), so it fires when the
+// gradient of that output is ready: autograd walks the graph from the loss back to the inputs, and an output made
+// later is reached earlier. The order in which the units' forwards *returned* (post-forward), reversed, is
+// therefore the order their pre-backward hooks fire. The pre-forward order would be wrong for a unit whose forward
+// encloses others: the root's forward is the whole loss(), so it begins first but returns last, and its hook (on
+// the loss) is the first of the backward. That is why the backward prefetches from the root to the last block,
+// then block by block towards the first: FSDP2's post_forward_order, walked backwards.
+//
+// Note [Prefetching only what every rank prefetches]
+// A prefetch is an all-gather: every rank of the group must issue it, in the same place of its sequence of
+// collectives (Gloo pairs them by order). The schedule decides from the orders (the same on every rank: every
+// rank runs the same units in the same order), the units' states (the same: each state changes only at the same
+// points of the same program) and the policy (the same). It never asks "has that all-gather finished?": a test
+// of timing would differ between ranks, and two ranks that prefetch differently hang or mix up their collectives.
+//
+// Note [The limit on what is ahead]
+// A unit ahead holds its all-gather buffer from its prefetch to its use. Unlimited, a deep prefetch would gather
+// most of the model before it is needed: the memory FSDP exists to save. The schedule counts the units ahead and
+// skips a prefetch that would exceed the limit; nothing blocks (FSDP1's limit_all_gathers blocked the CPU; FSDP2
+// has no limit and relies on the caching allocator). A skipped unit is not lost: the next point prefetches it if
+// there is room then, and its own pre-forward gathers it otherwise. memory_theory() counts one all-gather buffer
+// per unit the limit allows ahead.
+
+namespace shardlab::prefetch {
+
+using fsdp::FullyShardedModel;
+using fsdp::SchedulePoint;
+
+std::vector<size_t> expected_forward_order(const FullyShardedModel& fsdp) {
+  // BEGIN SOLUTION(05): the last forward's order, or registration order with the root first before any forward
+  if (!fsdp.last_forward_order().empty()) return fsdp.last_forward_order();
+  std::vector<size_t> order;
+  const size_t root = fsdp.root_index();
+  if (root < fsdp.units().size()) order.push_back(root);
+  for (size_t u = 0; u < fsdp.units().size(); ++u)
+    if (u != root) order.push_back(u);
+  return order;
+  // END SOLUTION
+}
+
+std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
+  // BEGIN SOLUTION(05): the order the pre-backward hooks fire in (Note [The backward order is the reverse of ...])
+  const std::vector<size_t>& post = fsdp.post_forward_order();
+  return {post.rbegin(), post.rend()};
+  // END SOLUTION
+}
+
+PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy policy)
+    : policy_(std::move(policy)), limit_(in_flight_limit(policy_)) {
+  const auto& units = fsdp.units();
+  std::vector<std::string> names;
+  for (const auto& unit : units) names.push_back(unit->name());
+  validate(policy_, names);
+  auto index_of = [&](const std::string& name) {
+    return static_cast<size_t>(std::find(names.begin(), names.end(), name) - names.begin());
+  };
+  forward_lists_.resize(units.size());
+  backward_lists_.resize(units.size());
+  has_forward_list_.assign(units.size(), false);
+  has_backward_list_.assign(units.size(), false);
+  for (const auto& [owner, list] : policy_.forward_lists) {
+    has_forward_list_[index_of(owner)] = true;
+    for (const auto& name : list) forward_lists_[index_of(owner)].push_back(index_of(name));
+  }
+  for (const auto& [owner, list] : policy_.backward_lists) {
+    has_backward_list_[index_of(owner)] = true;
+    for (const auto& name : list) backward_lists_[index_of(owner)].push_back(index_of(name));
+  }
+  used_forward_.assign(units.size(), false);
+  used_backward_.assign(units.size(), false);
+}
+
+void PrefetchSchedule::begin_iteration(FullyShardedModel& /*fsdp*/) {
+  ahead_.clear();
+  std::fill(used_forward_.begin(), used_forward_.end(), false);
+  std::fill(used_backward_.begin(), used_backward_.end(), false);
+}
+
+std::vector<size_t> PrefetchSchedule::targets(SchedulePoint point, size_t u, const FullyShardedModel& fsdp) const {
+  if (point == SchedulePoint::kPostForward || u >= forward_lists_.size()) return {};
+  const bool forward = point == SchedulePoint::kPreForward;
+  // BEGIN SOLUTION(05): the unit's explicit list, else the next depth units after it in this point's order
+  if (forward ? has_forward_list_[u] : has_backward_list_[u]) return forward ? forward_lists_[u] : backward_lists_[u];
+  const std::vector<size_t> order = forward ? expected_forward_order(fsdp) : backward_order(fsdp);
+  const auto at = std::find(order.begin(), order.end(), u);
+  if (at == order.end()) return {};
+  const auto depth = static_cast<std::ptrdiff_t>(forward ? policy_.forward_depth : policy_.backward_depth);
+  const auto end = order.end() - at - 1 > depth ? at + 1 + depth : order.end();
+  return {at + 1, end};
+  // END SOLUTION
+}
+
+void PrefetchSchedule::at(SchedulePoint point, size_t u, FullyShardedModel& fsdp) {
+  if (point == SchedulePoint::kPostForward) return;
+  std::vector<bool>& used = point == SchedulePoint::kPreForward ? used_forward_ : used_backward_;
+  // BEGIN SOLUTION(05): u is used now; prefetch its targets, skipping no-ops, within the limit (Note [The limit ...])
+  used[u] = true;
+  ahead_.erase(std::remove(ahead_.begin(), ahead_.end(), u), ahead_.end());
+  for (size_t v : targets(point, u, fsdp)) {
+    if (used[v] || fsdp.units()[v]->state() != fsdp::UnitState::kSharded) continue;  // no-op: gathered or done
+    if (static_cast<int>(ahead_.size()) >= limit_) {
+      ++skipped_for_limit_;
+      continue;
+    }
+    fsdp.begin_unshard(v);
+    ahead_.push_back(v);
+    ++issued_;
+  }
+  // END SOLUTION
+}
+
+std::shared_ptr<PrefetchSchedule> enable_prefetch(FullyShardedModel& fsdp, PrefetchPolicy policy) {
+  auto schedule = std::make_shared<PrefetchSchedule>(fsdp, std::move(policy));
+  fsdp.set_schedule(schedule);
+  return schedule;
+}
+
+}  // namespace shardlab::prefetch

@@ -1,0 +1,92 @@
+#pragma once
+/// @file prefetch.h
+/// Stage 05 — prefetch: the next unit's all-gather is in flight while this unit computes, in forward and in
+/// backward, with a limit on what is ahead, so that FSDP's communication hides behind its compute as DDP's does.
+///
+/// Vocabulary:
+///  - *ahead*: a unit whose all-gather the schedule issued and whose own use (pre-forward, pre-backward) has not
+///    come yet. It holds its all-gather buffer (not yet its gathered buffer: Note [Two buffers per unit]).
+///  - *expected forward order*: the order the last forward met the units in (FullyShardedModel::
+///    last_forward_order), or registration order, root first, before any forward ran.
+///  - *backward order*: the order backward meets the units' pre-backward hooks: the reverse of this forward's
+///    post-forward order. The root's hook is on the loss, so the root comes first; a unit that ran inside another
+///    (the root around every block) returns after it and so comes before it.
+///
+/// A PrefetchSchedule plugs into stage 04's extension point (fsdp::UnshardSchedule): FullyShardedModel calls it at
+/// each unit's pre-forward, post-forward and pre-backward, and it calls `FullyShardedModel::begin_unshard` for the
+/// units it prefetches. Nothing else in FSDP changes: the collectives of a step are the same, in number and
+/// size, only issued earlier, so prefetch changes no bit of the result.
+///
+/// References: PyTorch FSDP2's implicit forward prefetch and `set_modules_to_forward_prefetch` /
+/// `set_modules_to_backward_prefetch`; FSDP1's `limit_all_gathers`; the seed's FSDP homework, tasks 2 and 3.
+
+#include "shardlab/fsdp/fsdp.h"
+#include "shardlab/prefetch/prefetch_policy.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace shardlab::prefetch {
+
+/// The order the next forward is expected to meet the units in (indices into fsdp.units()): the last complete
+/// forward's order, or, before the first, registration order with the root first (its forward is the whole loss).
+std::vector<size_t> expected_forward_order(const fsdp::FullyShardedModel& fsdp);
+
+/// The order this backward meets the units' pre-backward hooks in: the reverse of this forward's post-forward order
+/// (FullyShardedModel::post_forward_order). Valid once the forward returned.
+std::vector<size_t> backward_order(const fsdp::FullyShardedModel& fsdp);
+
+/// Issues all-gathers ahead of use, as a PrefetchPolicy says; FullyShardedModel's UnshardSchedule.
+///
+/// Contract:
+///  - At a unit's pre-forward (pre-backward), the unit stops being ahead, then the targets() of that point are
+///    prefetched in order: a target already gathered or in flight, or already used in this forward (backward), is
+///    skipped as a no-op; a target that would put more than in_flight_limit(policy) units ahead is skipped.
+///  - Post-forward prefetches nothing. A new iteration (`loss()`) forgets what was ahead: FSDP has sharded every
+///    unit by then.
+///  - Deterministic: the same orders and states give the same prefetches on every rank.
+class PrefetchSchedule : public fsdp::UnshardSchedule {
+ public:
+  /// A schedule for `fsdp`'s units. @throws std::invalid_argument as validate(policy, unit names).
+  PrefetchSchedule(const fsdp::FullyShardedModel& fsdp, PrefetchPolicy policy);
+
+  /// Forgets what was ahead and what was used.
+  void begin_iteration(fsdp::FullyShardedModel& fsdp) override;
+  /// Marks `u` used and prefetches what the policy asks for at this point (see the contract).
+  void at(fsdp::SchedulePoint point, size_t u, fsdp::FullyShardedModel& fsdp) override;
+  /// in_flight_limit(policy()).
+  int max_ahead() const override { return limit_; }
+
+  /// The units to prefetch at `point` of unit `u`, in order, before any is skipped: the unit's explicit list when
+  /// the policy has one, else the next depth units after `u` in the expected forward order (kPreForward) or the
+  /// backward order (kPreBackward); none at kPostForward or for a unit that is not in the order.
+  std::vector<size_t> targets(fsdp::SchedulePoint point, size_t u, const fsdp::FullyShardedModel& fsdp) const;
+
+  /// The policy in force.
+  const PrefetchPolicy& policy() const { return policy_; }
+  /// The units ahead now, in the order they were prefetched.
+  const std::vector<size_t>& ahead() const { return ahead_; }
+  /// Prefetches issued so far (no-ops not counted).
+  uint64_t issued() const { return issued_; }
+  /// Prefetches skipped so far because the limit was reached.
+  uint64_t skipped_for_limit() const { return skipped_for_limit_; }
+
+ private:
+  PrefetchPolicy policy_;
+  int limit_ = 1;
+  std::vector<std::vector<size_t>> forward_lists_;   // per unit: its explicit forward list (indices), or empty
+  std::vector<std::vector<size_t>> backward_lists_;  // per unit: its explicit backward list, or empty
+  std::vector<bool> has_forward_list_, has_backward_list_;
+  // One iteration; reset by begin_iteration.
+  std::vector<size_t> ahead_;                    // prefetched, not yet used, in issue order
+  std::vector<bool> used_forward_, used_backward_;  // per unit: its pre-forward / pre-backward has run
+  uint64_t issued_ = 0;
+  uint64_t skipped_for_limit_ = 0;
+};
+
+/// Makes a PrefetchSchedule for `fsdp` and plugs it in (FullyShardedModel::set_schedule); returns it, for its
+/// counters. Call on every rank alike, between steps. @throws std::invalid_argument as validate().
+std::shared_ptr<PrefetchSchedule> enable_prefetch(fsdp::FullyShardedModel& fsdp, PrefetchPolicy policy = {});
+
+}  // namespace shardlab::prefetch
