@@ -1,13 +1,15 @@
 // Uses the installed shardlab the way an engineer would, on two wrappers:
 //  - bucketed DDP with the fp16 hook: two ranks (threads, real Gloo) must agree;
 //  - FSDP on a model shardlab does not ship (a stem, three residual blocks, a head): three ranks must train it
-//    like one device. Sharding it takes one line per block: register_unit instead of register_module.
+//    like one device. Sharding it takes one line per block: register_unit instead of register_module; stage 05's
+//    prefetch is one more line.
 #include <shardlab/bucketed_ddp/bucketed_ddp.h>
 #include <shardlab/comm_hooks/comm_hook.h>
 #include <shardlab/common/data.h>
 #include <shardlab/common/reference.h>
 #include <shardlab/common/thread_ranks.h>
 #include <shardlab/fsdp/fsdp.h>
+#include <shardlab/prefetch/prefetch.h>
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -82,6 +84,7 @@ int main() {
   run_ranks(3, [&](Communicator& comm) {
     auto model = std::make_shared<ResidualNet>(7);
     fsdp::FullyShardedModel sharded(model, comm);  // 3 units + root; each rank keeps a third of every parameter
+    prefetch::enable_prefetch(sharded);            // the next block's all-gather in flight while this one runs
     auto opt = make_optimizer("adamw", sharded.parameters(), 1e-2);  // the optimizer steps the shards
     for (int step = 0; step < 3; ++step) {
       opt->zero_grad();

@@ -19,6 +19,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/modules/linear.h>
 
+#include <atomic>
+#include <climits>
 #include <iostream>
 #include <set>
 #include <sstream>
@@ -612,6 +614,81 @@ TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
     const double diff = max_abs_diff(after_abort[r], clean[r]);
     std::cout << "rank " << r << ": max |grad after an aborted backward - clean grad| = " << diff << "\n";
     EXPECT_EQ(diff, 0.0);
+  }
+}
+
+// Note [When a unit may be freed in backward] says a unit with a frozen parameter must stay gathered until the end of
+// backward, because the frozen parameter's backward node can run after the trainable gradients are all in. This
+// unit computes frozen(x) + fc(x): autograd runs fc's node first (made later), fc's gradients complete the unit, and
+// only then does frozen's node compute the input's gradient from the frozen weight. Freed early, the unit would hand
+// that node a weight without storage: this test must fail (wrong values or a crash) when `has_frozen()` is ignored.
+TEST(FullyShardedModel, AUnitWithAFrozenParameterStaysGatheredUntilItsFrozenNodeHasRun) {
+  struct Mix : torch::nn::Module {
+    Mix()
+        : frozen(register_module("frozen", torch::nn::Linear(8, 8))),
+          fc(register_module("fc", torch::nn::Linear(8, 8))) {
+      for (auto& p : frozen->parameters()) p.requires_grad_(false);
+    }
+    // The hook on frozen(x) runs as the frozen node is about to compute: its weight must hold its values then.
+    at::Tensor forward(const at::Tensor& x) {
+      at::Tensor a = frozen->forward(x);
+      if (a.requires_grad()) {
+        const at::Tensor w = frozen->weight;
+        std::atomic<int64_t>* least = &least_bytes_at_frozen_node;
+        a.register_hook([w, least](const at::Tensor&) { *least = std::min<int64_t>(*least, storage_bytes(w)); });
+      }
+      return a + fc->forward(x);
+    }
+    torch::nn::Linear frozen, fc;
+    std::atomic<int64_t> least_bytes_at_frozen_node{INT64_MAX};
+  };
+  struct Net : Model {
+    Net() {
+      in = register_module("in", torch::nn::Linear(16, 8));
+      mix = register_unit("mix", std::make_shared<Mix>());
+      head = register_module("head", torch::nn::Linear(8, 4));
+      init_parameters(*this, 5);
+      for (auto& p : mix->frozen->parameters()) p.requires_grad_(false);
+    }
+    at::Tensor loss(const Batch& b) override {
+      return at::cross_entropy_loss(head->forward(mix(at::tanh(in->forward(b.input)))), b.target);
+    }
+    torch::nn::Linear in{nullptr}, head{nullptr};
+    UnitRef<Mix> mix;
+  };
+  auto data = make_dataset("mlp", 4);
+  const int steps = 2, world = 2, batch = 8;
+  auto reference = std::make_shared<Net>();
+  auto ref_opt = make_optimizer("sgd", trainable_parameters(*reference), 0.1);
+  for (int step = 0; step < steps; ++step) {
+    ref_opt->zero_grad();
+    reference->loss(data->global_batch(step, batch)).backward();
+    ref_opt->step();
+  }
+  std::vector<std::vector<at::Tensor>> finals(world);
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<Net>();
+        FullyShardedModel fsdp(model, comm);
+        ASSERT_TRUE(fsdp.units()[0]->has_frozen());
+        auto opt = make_optimizer("sgd", fsdp.parameters(), 0.1);
+        for (int step = 0; step < steps; ++step) {
+          opt->zero_grad();
+          fsdp.loss(rank_slice(data->global_batch(step, batch), comm.rank(), world)).backward();
+          opt->step();
+        }
+        const int64_t least = model->mix->least_bytes_at_frozen_node;
+        EXPECT_EQ(least, fsdp.units()[0]->gathered_capacity_bytes())
+            << "rank " << comm.rank() << ": the frozen weight held " << least
+            << " bytes when its backward node ran; the unit was freed before its backward was done";
+        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
+      },
+      test_group());
+  for (int r = 0; r < world; ++r) {
+    const double diff = max_abs_diff(finals[r], on_cpu(reference->parameters()));
+    std::cout << "rank " << r << ": max |param - one device| with a frozen parameter in the unit = " << diff << "\n";
+    EXPECT_TRUE(all_close(finals[r], on_cpu(reference->parameters()), kRtol, kAtol)) << "max diff " << diff;
   }
 }
 

@@ -202,20 +202,18 @@ TEST_P(PrefetchEvents, UnshardsAndReshardsComeInExactlyThisOrder) {
 INSTANTIATE_TEST_SUITE_P(
     Stage05, PrefetchEvents,
     ::testing::Values(
-        OrderCase{"no_prefetch",
-                  depths(0, 0),
-                  false,
-                  {"U root", "U block0", "R block0", "U block1", "R block1", "U block2", "R block2", "U block3",
-                   "R block3"},
-                  {"U block3", "R block3", "U block2", "R block2", "U block1", "R block1", "U block0", "R block0",
-                   "R root"}},
-        OrderCase{"depth1",
-                  PrefetchPolicy{},
-                  false,
-                  {"U root", "U block0", "U block1", "R block0", "U block2", "R block1", "U block3", "R block2",
-                   "R block3"},
-                  {"U block3", "U block2", "R block3", "U block1", "R block2", "U block0", "R block1", "R block0",
-                   "R root"}},
+        OrderCase{
+            "no_prefetch",
+            depths(0, 0),
+            false,
+            {"U root", "U block0", "R block0", "U block1", "R block1", "U block2", "R block2", "U block3", "R block3"},
+            {"U block3", "R block3", "U block2", "R block2", "U block1", "R block1", "U block0", "R block0", "R root"}},
+        OrderCase{
+            "depth1",
+            PrefetchPolicy{},
+            false,
+            {"U root", "U block0", "U block1", "R block0", "U block2", "R block1", "U block3", "R block2", "R block3"},
+            {"U block3", "U block2", "R block3", "U block1", "R block2", "U block0", "R block1", "R block0", "R root"}},
         OrderCase{"depth1_root_raf",
                   PrefetchPolicy{},
                   true,
@@ -223,27 +221,25 @@ INSTANTIATE_TEST_SUITE_P(
                    "R block3", "R root"},
                   {"U root", "U block3", "U block2", "R block3", "U block1", "R block2", "U block0", "R block1",
                    "R block0", "R root"}},
-        OrderCase{"depth2",
-                  depths(2, 2),
-                  false,
-                  {"U root", "U block0", "U block1", "U block2", "R block0", "U block3", "R block1", "R block2",
-                   "R block3"},
-                  {"U block3", "U block2", "U block1", "R block3", "U block0", "R block2", "R block1", "R block0",
-                   "R root"}},
-        OrderCase{"depth2_limit1",
-                  depths(2, 2, 1),
-                  false,
-                  {"U root", "U block0", "U block1", "R block0", "U block2", "R block1", "U block3", "R block2",
-                   "R block3"},
-                  {"U block3", "U block2", "R block3", "U block1", "R block2", "U block0", "R block1", "R block0",
-                   "R root"}},
-        OrderCase{"lists",
-                  listed(),
-                  false,
-                  {"U root", "U block0", "R block0", "U block1", "U block3", "R block1", "U block2", "R block2",
-                   "R block3"},
-                  {"U block3", "U block2", "R block3", "R block2", "U block1", "R block1", "U block0", "R block0",
-                   "R root"}}),
+        OrderCase{
+            "depth2",
+            depths(2, 2),
+            false,
+            {"U root", "U block0", "U block1", "U block2", "R block0", "U block3", "R block1", "R block2", "R block3"},
+            {"U block3", "U block2", "U block1", "R block3", "U block0", "R block2", "R block1", "R block0", "R root"}},
+        OrderCase{
+            "depth2_limit1",
+            depths(2, 2, 1),
+            false,
+            {"U root", "U block0", "U block1", "R block0", "U block2", "R block1", "U block3", "R block2", "R block3"},
+            {"U block3", "U block2", "R block3", "U block1", "R block2", "U block0", "R block1", "R block0", "R root"}},
+        OrderCase{
+            "lists",
+            listed(),
+            false,
+            {"U root", "U block0", "R block0", "U block1", "U block3", "R block1", "U block2", "R block2", "R block3"},
+            {"U block3", "U block2", "R block3", "R block2", "U block1", "R block1", "U block0", "R block0",
+             "R root"}}),
     [](const ::testing::TestParamInfo<OrderCase>& info) { return info.param.name; });
 
 // The limit, counted from the units' storage at every event; the collectives, their count, sizes and order, the
@@ -282,8 +278,7 @@ TEST_P(PrefetchLimit, HoldsAtEveryEventWithTheSameCollectivesOnEveryRank) {
           if (comm.rank() == 0)
             std::cout << (prefetch ? "prefetch" : "none") << " limit " << limit << ": at most " << most_ahead
                       << " ahead, " << most_in_flight << " all-gather buffers held at once; peak parameter bytes "
-                      << fsdp.memory().peak_param_bytes << ", theory " << fsdp.memory_theory().peak_param_bytes
-                      << "\n";
+                      << fsdp.memory().peak_param_bytes << ", theory " << fsdp.memory_theory().peak_param_bytes << "\n";
           if (prefetch) {
             EXPECT_LE(most_ahead, limit) << "more units ahead than the limit";
             EXPECT_GE(most_ahead, limit) << "depth 3 asks for more than the limit: the limit must be reached";
@@ -401,14 +396,14 @@ TEST(PrefetchOverlap, TheNextUnitsAllGatherIsIssuedBeforeThisUnitsComputeEnds) {
         for (size_t i = 0; i + 1 < blocks; ++i) {
           ASSERT_TRUE(gather_of.count({i + 1, 0}) && gathers_at_reshard.count({i, 0}));
           const size_t issued = gather_of[{i + 1, 0}], ended = gathers_at_reshard[{i, 0}];
-          EXPECT_LT(issued, ended)
-              << "forward: block" << i + 1 << "'s all-gather must be issued before block" << i << "'s forward ends";
+          EXPECT_LT(issued, ended) << "forward: block" << i + 1 << "'s all-gather must be issued before block" << i
+                                   << "'s forward ends";
         }
         for (size_t i = blocks - 1; i > 0; --i) {
           ASSERT_TRUE(gather_of.count({i - 1, 1}) && gathers_at_reshard.count({i, 1}));
           const size_t issued = gather_of[{i - 1, 1}], ended = gathers_at_reshard[{i, 1}];
-          EXPECT_LT(issued, ended)
-              << "backward: block" << i - 1 << "'s all-gather must be issued before block" << i << "'s backward ends";
+          EXPECT_LT(issued, ended) << "backward: block" << i - 1 << "'s all-gather must be issued before block" << i
+                                   << "'s backward ends";
         }
       },
       test_group());

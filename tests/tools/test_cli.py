@@ -27,6 +27,12 @@ expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb expects 
 expect([shardlab, "train", "--strategy", "fsdp", "--bucket-cap-kb", "auto"], 2,
        "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the hook_* strategies; got "
        "strategy 'fsdp'")
+expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-depth", "-1"], 2,
+       "--prefetch-depth expects an integer in [0, 64]; got '-1'")
+expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-limit", "two"], 2,
+       "--prefetch-limit expects an integer")
+expect([shardlab, "train", "--strategy", "fsdp", "--prefetch-depth", "2"], 2,
+       "--prefetch-depth sets the prefetch of strategy fsdp_prefetch; got strategy 'fsdp'")
 expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat expects an integer in [1, 20]; got '0'")
 expect([shardlab, "train", "--world-size", "0"], 2, "--world-size expects an integer in [1, 64]; got '0'")
 expect([shardlab, "train", "--steps", "ten"], 2, "--steps expects an integer")

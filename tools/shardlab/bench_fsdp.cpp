@@ -1,7 +1,8 @@
-// `shardlab bench`, FSDP section: shardlab's FSDP (reshard after forward true and false) beside bucketed DDP and
-// beside PyTorch's own FSDP2 on the same model shape, world size, batch and steps. PyTorch FSDP2 needs torch >= 2.6
-// on CPU, which Debian 12 does not have: it runs from Debian trixie's python3-torch inside a root
-// (tools/bench/make-torch-root), launched by our launcher under chroot. Figures, not assertions.
+// `shardlab bench`, FSDP section: shardlab's FSDP (reshard after forward true and false; stage 05's prefetch at
+// depths 0, 1 and 2) beside bucketed DDP and beside PyTorch's own FSDP2 on the same model shape, world size, batch and
+// steps. PyTorch FSDP2 needs torch >= 2.6 on CPU, which Debian 12 does not have: it runs from Debian trixie's
+// python3-torch inside a root (tools/bench/make-torch-root), launched by our launcher under chroot. Figures, not
+// assertions.
 #include "bench.h"
 
 #include "run.h"
@@ -157,11 +158,17 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   struct Row {
     std::string label, strategy;
     bool raf;
+    int depth;  // fsdp_prefetch: --prefetch-depth (and the limit); -1 otherwise
     RunReport report;
   };
-  std::vector<Row> rows{{"bucketed_ddp", "bucketed_ddp", true, {}},
-                        {"fsdp (reshard after forward)", "fsdp", true, {}},
-                        {"fsdp (kept after forward)", "fsdp", false, {}}};
+  std::vector<Row> rows{{"bucketed_ddp", "bucketed_ddp", true, -1, {}},
+                        {"fsdp (reshard after forward)", "fsdp", true, -1, {}},
+                        {"fsdp (kept after forward)", "fsdp", false, -1, {}},
+                        {"fsdp_prefetch depth 0 (raf)", "fsdp_prefetch", true, 0, {}},
+                        {"fsdp_prefetch depth 1 (raf)", "fsdp_prefetch", true, 1, {}},
+                        {"fsdp_prefetch depth 2 (raf)", "fsdp_prefetch", true, 2, {}},
+                        {"fsdp_prefetch depth 1 (kept)", "fsdp_prefetch", false, 1, {}}};
+  auto is_fsdp = [](const Row& row) { return row.strategy.rfind("fsdp", 0) == 0; };
   PeerResult peers[2];  // [0]: raf true, [1]: raf false
   std::string peer_why = b.torch ? torch_root_problem(b.torch_root) : "skipped (--no-torch)";
   std::unique_ptr<ProcMount> proc;
@@ -171,6 +178,7 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
       RunOptions each = o;
       each.strategy = row.strategy;
       each.strategy_options.reshard_after_forward = row.raf;
+      if (row.depth >= 0) each.strategy_options.prefetch_depth = each.strategy_options.prefetch_limit = row.depth;
       RunReport r = run_strategy(each, self_exe);
       if (k == 0 || r.step_time_ms < row.report.step_time_ms) row.report = r;
     }
@@ -195,19 +203,23 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
 
   const double n = o.world_size, psi = 4.0 * static_cast<double>(params);
   auto ring_theory = [&](const Row& row) {  // bytes each rank must send per step, ring lower bounds
-    return (row.strategy == "fsdp" && row.raf ? 3 : 2) * (n - 1) / n * psi;
+    return (is_fsdp(row) && row.raf ? 3 : 2) * (n - 1) / n * psi;
   };
   std::ostringstream md;
-  md << "| strategy | step ms | vs PyTorch FSDP2 | collectives/step | payload bytes/step | sent bytes/step | sent / "
+  auto share = [](double part, double whole) { return whole > 0 ? part / whole : 0.0; };
+  md << "| strategy | step ms | vs PyTorch FSDP2 | comm ms/step | exposed ms/step | exposed share (run) | exposed "
+        "share (median step) | collectives/step | payload bytes/step | sent bytes/step | sent / "
         "ring theory | peak param bytes | / theory | peak grad bytes | / theory | max abs param diff |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& row : rows) {
     const auto& r = row.report;
     const PeerResult& peer = peers[row.raf ? 0 : 1];
-    const bool vs = ratios && row.strategy == "fsdp";
+    const bool vs = ratios && is_fsdp(row);
     md << "| " << row.label << " | " << fmt(r.step_time_ms, 2) << " | "
-       << (vs ? fmt(r.step_time_ms / peer.step_ms, 2) + "x" : std::string(row.strategy == "fsdp" ? "n/a" : "")) << " | "
-       << r.collectives_per_step << " | " << static_cast<int64_t>(r.bytes_per_step) << " | "
+       << (vs ? fmt(r.step_time_ms / peer.step_ms, 2) + "x" : std::string(is_fsdp(row) ? "n/a" : "")) << " | "
+       << fmt(r.comm_busy_ms_per_step, 2) << " | " << fmt(r.exposed_comm_ms_per_step, 2) << " | "
+       << fmt(share(r.exposed_comm_ms_per_step, r.comm_busy_ms_per_step), 2) << " | " << fmt(r.exposed_share_median, 2)
+       << " | " << r.collectives_per_step << " | " << static_cast<int64_t>(r.bytes_per_step) << " | "
        << static_cast<int64_t>(r.sent_bytes_per_step) << " | " << fmt(r.sent_bytes_per_step / ring_theory(row), 3)
        << " | " << static_cast<int64_t>(r.peak_param_bytes) << " | "
        << fmt(r.peak_param_bytes / std::max(1.0, r.peak_param_bytes_theory), 2) << " | "
@@ -215,9 +227,9 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
        << fmt(r.peak_grad_bytes / std::max(1.0, r.peak_grad_bytes_theory), 2) << " | " << r.max_param_diff << " |\n";
   }
   for (int i = 0; i < 2 && ratios; ++i) {
-    const Row fsdp_row{"", "fsdp", i == 0, {}};
+    const Row fsdp_row{"", "fsdp", i == 0, -1, {}};
     md << "| pytorch fsdp2 " << (i == 0 ? "(reshard after forward)" : "(kept after forward)") << " ("
-       << peers[i].version << ") | " << fmt(peers[i].step_ms, 2) << " | 1.00x | | "
+       << peers[i].version << ") | " << fmt(peers[i].step_ms, 2) << " | 1.00x | | | | | | "
        << static_cast<int64_t>(peers[i].payload) << " | " << static_cast<int64_t>(peers[i].sent) << " | "
        << fmt(peers[i].sent / ring_theory(fsdp_row), 3) << " | | | | | |\n";
   }
@@ -248,10 +260,31 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
             << " (target <= 1.05): "
             << (rows[i].report.peak_param_bytes <= 1.05 * rows[i].report.peak_param_bytes_theory
                     ? "met"
-                    : "MISSED: the copy-out holds one unit's all-gather buffer beside its gathered buffer (Note "
-                      "[Two buffers per unit])")
+                    : "MISSED: a buffer the theory does not walk (Note [The parameter peak, walked])")
             << "\n";
   }
+  // Stage 05's targets (issue 17): prefetch against bucketed DDP, FSDP2, its own depth 0, and the exposure.
+  const RunReport& ddp = rows[0].report;
+  const RunReport& depth0 = rows[3].report;
+  const RunReport& depth1 = rows[4].report;
+  const double vs_ddp = depth1.step_time_ms / std::max(1e-9, ddp.step_time_ms);
+  targets << "- fsdp_prefetch depth 1 (raf) step time / bucketed_ddp = " << fmt(vs_ddp, 2)
+          << " (target <= 1.15): " << (vs_ddp <= 1.15 ? "met" : "MISSED by " + fmt(vs_ddp - 1.15, 2)) << "\n";
+  if (ratios) {
+    const double vs_peer = depth1.step_time_ms / peers[0].step_ms;
+    targets << "- fsdp_prefetch depth 1 (raf) step time / PyTorch FSDP2 (which prefetches by default) = "
+            << fmt(vs_peer, 2)
+            << " (target <= 0.50): " << (vs_peer <= 0.5 ? "met" : "MISSED by " + fmt(vs_peer - 0.5, 2)) << "\n";
+  }
+  const double exposed_run = share(depth1.exposed_comm_ms_per_step, depth1.comm_busy_ms_per_step);
+  const double exposed_median = depth1.exposed_share_median;
+  targets << "- fsdp_prefetch depth 1 (raf) exposed communication / communication time = " << fmt(exposed_run, 2)
+          << " over the run, " << fmt(exposed_median, 2) << " median over steps (target <= 0.25): "
+          << (exposed_run <= 0.25 ? "met" : "MISSED by " + fmt(exposed_run - 0.25, 2)) << " over the run, "
+          << (exposed_median <= 0.25 ? "met" : "MISSED by " + fmt(exposed_median - 0.25, 2)) << " as the median\n";
+  targets << "- fsdp_prefetch depth 1 faster than depth 0: " << fmt(depth1.step_time_ms, 2) << " ms against "
+          << fmt(depth0.step_time_ms, 2) << " ms: " << (depth1.step_time_ms < depth0.step_time_ms ? "met" : "MISSED")
+          << "\n";
   const std::string host_blas = blas_in(""), peer_blas = peer_why.empty() || ratios ? blas_in(b.torch_root) : "";
   std::ostringstream head;
   head << "model tiny_gpt, " << o.train.layers << " blocks of width " << o.train.dim << " (" << params

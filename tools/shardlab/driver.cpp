@@ -132,7 +132,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   if (o.strategy == "fsdp_prefetch") {
     r.prefetch_depth = o.strategy_options.prefetch_depth;
     r.prefetch_limit = o.strategy_options.prefetch_limit > 0 ? o.strategy_options.prefetch_limit
-                                                              : std::max(1, o.strategy_options.prefetch_depth);
+                                                             : std::max(1, o.strategy_options.prefetch_depth);
   }
   r.comm_yield = o.comm_yield;
   r.backend = strategy.distributed ? o.backend : "none";

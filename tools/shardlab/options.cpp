@@ -168,6 +168,11 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
         "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
         "hook_* strategies; got strategy '" +
         o.strategy + "', which has none");
+  for (const char* flag : {"--prefetch-depth", "--prefetch-limit"}) {
+    if (allow_strategy && o.strategy != "fsdp_prefetch" && std::find(args.begin(), args.end(), flag) != args.end())
+      throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategy fsdp_prefetch; got strategy '" +
+                                  o.strategy + "'");
+  }
   return o;
 }
 
@@ -212,11 +217,11 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 "--dim",
                                 std::to_string(o.train.dim),
                                 "--reshard-after-forward",
-                                o.strategy_options.reshard_after_forward ? "true" : "false",
-                                "--prefetch-depth",
-                                std::to_string(o.strategy_options.prefetch_depth),
-                                "--prefetch-limit",
-                                std::to_string(o.strategy_options.prefetch_limit)};
+                                o.strategy_options.reshard_after_forward ? "true" : "false"};
+  if (o.strategy == "fsdp_prefetch") {  // only there: the worker refuses them for other strategies, as train does
+    args.insert(args.end(), {"--prefetch-depth", std::to_string(o.strategy_options.prefetch_depth), "--prefetch-limit",
+                             std::to_string(o.strategy_options.prefetch_limit)});
+  }
   for (const auto& [flag, value] :
        {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
         {"--reduce-dtype", o.strategy_options.reduce_dtype}}) {

@@ -339,28 +339,45 @@ void FullyShardedModel::reset_iteration() {
 //    already ahead beside it (the next k-1 when k units may be ahead; none before the first unit);
 //  - right after it, when the schedule prefetches: the same without u's all-gather buffer, with the next k units'.
 // Backward with raf meets the same moments in the reverse order (a unit is freed when its gradients are in, before
-// the next unit's copy-out), so the forward walk is the peak of the step.
+// the next unit's copy-out), except that a unit with a frozen parameter stays gathered to the end of backward: a
+// second walk, over the backward, counts those.
 int64_t FullyShardedModel::parameter_peak(int64_t ahead) const {
   std::vector<size_t> order = last_forward_order_;
   if (order.empty()) {
     if (has_root_) order.push_back(units_.size() - 1);
     for (size_t u = 0; u + (has_root_ ? 1 : 0) < units_.size(); ++u) order.push_back(u);
   }
-  int64_t held = 0;  // the shards, then every unit that stays gathered
-  for (const auto& unit : units_) held += unit->sharded_bytes();
-  int64_t peak = held;
-  auto next_all_gathers = [&](size_t i, int64_t count) {
-    int64_t bytes = 0;
-    for (size_t j = i + 1; j < order.size() && static_cast<int64_t>(j - i) <= count; ++j)
-      bytes += units_[order[j]]->all_gather_bytes();
-    return bytes;
+  const auto is_root = [&](size_t u) { return has_root_ && u + 1 == units_.size(); };
+  int64_t shards = 0;
+  for (const auto& unit : units_) shards += unit->sharded_bytes();
+  // Walks `units` in the order they are gathered from `held` bytes on; `stays(u)`: u stays gathered after its use.
+  auto walk = [&](const std::vector<size_t>& units, int64_t held, const auto& stays) {
+    int64_t peak = held;
+    auto next_all_gathers = [&](size_t i, int64_t count) {
+      int64_t bytes = 0;
+      for (size_t j = i + 1; j < units.size() && static_cast<int64_t>(j - i) <= count; ++j)
+        bytes += units_[units[j]]->all_gather_bytes();
+      return bytes;
+    };
+    for (size_t i = 0; i < units.size(); ++i) {
+      const FsdpUnit& unit = *units_[units[i]];
+      const int64_t beside = i == 0 ? 0 : next_all_gathers(i, ahead - 1);
+      const int64_t gathered = held + unit.gathered_capacity_bytes();
+      peak = std::max({peak, gathered + unit.all_gather_bytes() + beside, gathered + next_all_gathers(i, ahead)});
+      if (stays(units[i])) held = gathered;
+    }
+    return peak;
   };
-  for (size_t i = 0; i < order.size(); ++i) {
-    const FsdpUnit& unit = *units_[order[i]];
-    const int64_t beside = i == 0 ? 0 : next_all_gathers(i, ahead - 1);
-    const int64_t gathered = held + unit.gathered_capacity_bytes();
-    peak = std::max({peak, gathered + unit.all_gather_bytes() + beside, gathered + next_all_gathers(i, ahead)});
-    if (!raf(order[i]) || (has_root_ && order[i] + 1 == units_.size())) held = gathered;  // it stays gathered
+  // Forward: the root (its forward is the whole loss) and every unit without raf stay gathered.
+  int64_t peak = walk(order, shards, [&](size_t u) { return is_root(u) || !raf(u); });
+  if (options_.reshard_after_forward) {
+    // Backward gathers the units again in the reverse order, the root gathered throughout; a unit with a frozen
+    // parameter stays gathered to the end of backward (Note [When a unit may be freed in backward]).
+    std::vector<size_t> backward;
+    for (auto it = order.rbegin(); it != order.rend(); ++it)
+      if (!is_root(*it)) backward.push_back(*it);
+    const int64_t root = has_root_ ? units_.back()->gathered_capacity_bytes() : 0;
+    peak = std::max(peak, walk(backward, shards + root, [&](size_t u) { return units_[u]->has_frozen(); }));
   }
   return peak;
 }

@@ -16,8 +16,7 @@ int in_flight_limit(const PrefetchPolicy& policy) {
 
 void validate(const PrefetchPolicy& policy, const std::vector<std::string>& units) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("PrefetchPolicy: " + what); };
-  if (policy.forward_depth < 0)
-    fail("forward_depth: expected 0 or more; got " + std::to_string(policy.forward_depth));
+  if (policy.forward_depth < 0) fail("forward_depth: expected 0 or more; got " + std::to_string(policy.forward_depth));
   if (policy.backward_depth < 0)
     fail("backward_depth: expected 0 or more; got " + std::to_string(policy.backward_depth));
   if (policy.max_in_flight < 0)

@@ -194,7 +194,7 @@ class FsdpUnit {
   std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
   std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
   std::vector<int64_t> sharded_grad_bytes_;                    // ... and its bytes
-  std::function<void(UnitEventKind)> sink_;  // set_event_sink
+  std::function<void(UnitEventKind)> sink_;                    // set_event_sink
   UnitState state_ = UnitState::kSharded;
   uint64_t generation_ = 0;  // bumped by discard_unsharded_gradients: older reductions are dropped on arrival
 };

@@ -79,7 +79,7 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   std::vector<std::vector<size_t>> backward_lists_;  // per unit: its explicit backward list, or empty
   std::vector<bool> has_forward_list_, has_backward_list_;
   // One iteration; reset by begin_iteration.
-  std::vector<size_t> ahead_;                    // prefetched, not yet used, in issue order
+  std::vector<size_t> ahead_;                       // prefetched, not yet used, in issue order
   std::vector<bool> used_forward_, used_backward_;  // per unit: its pre-forward / pre-backward has run
   uint64_t issued_ = 0;
   uint64_t skipped_for_limit_ = 0;

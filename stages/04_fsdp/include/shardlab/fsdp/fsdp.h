@@ -96,19 +96,19 @@ struct Options {
 
 /// The memory a step should need per rank, from the layout (what MemoryStats is compared with).
 struct MemoryTheory {
-  int64_t sharded_param_bytes = 0;      ///< Σψ/N: every unit's padded shards
-  int64_t largest_unit_bytes = 0;       ///< the largest non-root unit gathered (param dtype)
-  int64_t all_units_bytes = 0;          ///< every non-root unit gathered at once (raf false)
-  int64_t root_bytes = 0;               ///< the root gathered
-  int64_t sharded_grad_bytes = 0;       ///< the sharded gradients of the trainable parameters
-  int64_t largest_unit_grad_bytes = 0;  ///< the largest unit's unsharded gradients (param dtype)
-  int64_t peak_param_bytes = 0;         ///< the parameter peak of a step with the options and schedule used: Σψ/N
-                                        ///< + what stays gathered (the root; every unit without raf) + the largest
-                                        ///< moment of one unit: its gathered buffer beside its own all-gather buffer
-                                        ///< at copy-out and those of the units `ahead` (walked in forward order)
-  int64_t peak_grad_bytes = 0;          ///< the gradient peak: sharded grads + the root's unsharded grads (alive
-                                        ///< through the whole backward) + the largest unit's unsharded grads
-  int64_t largest_reduce_bytes = 0;     ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
+  int64_t sharded_param_bytes = 0;       ///< Σψ/N: every unit's padded shards
+  int64_t largest_unit_bytes = 0;        ///< the largest non-root unit gathered (param dtype)
+  int64_t all_units_bytes = 0;           ///< every non-root unit gathered at once (raf false)
+  int64_t root_bytes = 0;                ///< the root gathered
+  int64_t sharded_grad_bytes = 0;        ///< the sharded gradients of the trainable parameters
+  int64_t largest_unit_grad_bytes = 0;   ///< the largest unit's unsharded gradients (param dtype)
+  int64_t peak_param_bytes = 0;          ///< the parameter peak of a step with the options and schedule used: Σψ/N
+                                         ///< + what stays gathered (the root; every unit without raf) + the largest
+                                         ///< moment of one unit: its gathered buffer beside its own all-gather buffer
+                                         ///< at copy-out and those of the units `ahead` (walked in forward order)
+  int64_t peak_grad_bytes = 0;           ///< the gradient peak: sharded grads + the root's unsharded grads (alive
+                                         ///< through the whole backward) + the largest unit's unsharded grads
+  int64_t largest_reduce_bytes = 0;      ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
   int64_t largest_all_gather_bytes = 0;  ///< the largest unit's all-gather buffers (FsdpUnit::all_gather_bytes)
   int64_t ahead = 0;                     ///< units the schedule may hold ahead of their use (UnshardSchedule)
 };
@@ -127,6 +127,9 @@ struct MemoryTheory {
 ///    mean loss over all ranks' batches (accumulated into a gradient already there: zero it before each step).
 ///  - A forward under `NoGradGuard` (evaluation) gathers and frees like a training forward (collectives on every
 ///    rank) and leaves every unit sharded.
+///  - A unit with a frozen parameter (requires_grad false) is gathered for its backward like any other, but freed
+///    only at the end of backward: the frozen parameter's backward node may run after the unit's trainable
+///    gradients are all in (frozen(x) + fc(x) does), and nothing tells when it has. memory_theory() counts it.
 ///  - Each unit may run once per forward; a parameter may belong to one unit only; double backward is not
 ///    supported.
 ///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
@@ -230,12 +233,12 @@ class FullyShardedModel {
   // One iteration (forward + backward); reset by reset_iteration().
   std::vector<size_t> forward_order_;       // units in the order their forward began
   std::vector<size_t> post_forward_order_;  // units in the order their forward returned
-  std::vector<size_t> reduce_order_;   // the order reduce-scatters are launched in (reverse forward, then the rest)
-  size_t next_reduce_ = 0;             // next position of reduce_order_ to launch
-  std::vector<size_t> missing_;        // per unit: trainable parameters whose gradient has not come
-  std::vector<bool> ready_;            // per watched parameter
-  std::vector<Handle> pending_;        // reduce-scatters in flight
-  std::vector<std::string> unused_;    // trainable parameters that got no gradient in this backward
+  std::vector<size_t> reduce_order_;  // the order reduce-scatters are launched in (reverse forward, then the rest)
+  size_t next_reduce_ = 0;            // next position of reduce_order_ to launch
+  std::vector<size_t> missing_;       // per unit: trainable parameters whose gradient has not come
+  std::vector<bool> ready_;           // per watched parameter
+  std::vector<Handle> pending_;       // reduce-scatters in flight
+  std::vector<std::string> unused_;   // trainable parameters that got no gradient in this backward
   bool sync_enabled_ = true;
 
   std::unique_ptr<GradientReadiness> readiness_;           // the hooks; declared last, so they go first
