@@ -57,6 +57,7 @@ PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy
     : policy_(std::move(policy)), limit_(in_flight_limit(policy_)) {
   const auto& units = fsdp.units();
   std::vector<std::string> names;
+  names.reserve(units.size());
   for (const auto& unit : units) names.push_back(unit->name());
   validate(policy_, names);
   auto index_of = [&](const std::string& name) {

@@ -37,6 +37,7 @@ struct PrefetchPolicy {
 int in_flight_limit(const PrefetchPolicy& policy);
 
 /// Checks a policy against the units it will schedule.
+/// @param policy the policy to check.
 /// @param units the unit names, in FullyShardedModel::units() order.
 /// @throws std::invalid_argument naming the field, what was expected and what came: a negative depth or limit, a
 ///         name in a list that is not a unit (the known names are listed), a unit listed twice in one list or in
