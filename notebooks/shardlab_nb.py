@@ -1,12 +1,15 @@
 """Helpers shared by the shardlab notebooks: run the `shardlab` tool, read its JSON report and Chrome traces, draw
 the three figures (loss beside the reference, bytes per step beside theory, a timeline of one step), and for FSDP
-(notebook 04) the parameter memory held over one step.
+(notebooks 04 and 05) the parameter memory held over one step.
 
 Only the tool's documented outputs are read:
   - `shardlab train ... --json FILE`: one object (losses, reference_losses, bytes_per_step, ...);
   - `shardlab train ... --trace DIR`: DIR/rank{r}.trace.json, Chrome trace format. Track (tid) 1 "compute" holds
-    the spans forward / backward / optimizer (args.step) and the "wait: ..." spans nested inside backward; tracks
-    2, 3, ... "comm k" hold one span per collective, from launch to completion (args: op, wire_dtype, bytes, ...).
+    the spans forward / backward / optimizer (args.step) and the "wait: ..." spans nested inside them (the time the
+    training thread waited for communication: DDP's "ddp sync" at the end of backward; FSDP's "fsdp unshard" for
+    every all-gather, in forward and backward, "fsdp reduce" for a reduce-scatter, "fsdp sync" at the end of
+    backward); tracks 2, 3, ... "comm k" hold one span per collective, from launch to completion (args: op,
+    wire_dtype, bytes, ...).
     FSDP runs add counter events "fsdp memory" (ph "C", args param_bytes and grad_bytes): the bytes the FSDP layer
     holds after every allocation and free.
 
@@ -36,6 +39,7 @@ LABELS = {
     "hook_fp16": "hook: fp16 compression",
     "hook_bf16": "hook: bf16 compression",
     "fsdp": "FSDP",
+    "fsdp_prefetch": "FSDP with prefetch",
 }
 COMPUTE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 WAIT_COLOR = "#c44e52"
@@ -85,7 +89,8 @@ def train(strategy, *, name=None, trace=False, world_size=2, model="tiny_gpt", s
     """Runs `shardlab train --strategy STRATEGY ...` and returns its JSON report as a dict.
 
     `layers` is the tiny GPT's number of blocks (2 here, the model notebooks 01-03 describe; the tool's default is
-    4). Extra keyword arguments become flags (bucket_cap_kb=32 -> --bucket-cap-kb 32). With trace=True the run also
+    4). Extra keyword arguments become flags (bucket_cap_kb=32 -> --bucket-cap-kb 32; for fsdp_prefetch,
+    prefetch_depth=2, prefetch_limit=2 -> --prefetch-depth 2 --prefetch-limit 2). With trace=True the run also
     writes Chrome traces; the report then carries "trace_dir". The command is printed so it can be rerun by hand
     (from the directory it prints).
     """
@@ -119,6 +124,9 @@ def label(run):
     if run["strategy"] == "fsdp":
         return "FSDP, " + ("reshard after forward" if run.get("reshard_after_forward", True) else
                            "keep after forward")
+    if run["strategy"] == "fsdp_prefetch":   # the tool reports the limit in force: the depth unless set, at least 1
+        depth, limit = run["prefetch_depth"], run["prefetch_limit"]
+        return f"FSDP, prefetch depth {depth}" + (f", limit {limit}" if limit != max(depth, 1) else "")
     return LABELS.get(run["strategy"], run["strategy"])
 
 
@@ -221,6 +229,19 @@ class Trace:
     def within(self, start, end, cat):
         return [e for e in self.spans if e.get("cat") == cat and start <= e["start"] < end]
 
+    def counter_at(self, t, name="fsdp memory", key="param_bytes"):
+        """A counter's value held at time t: its last sample at or before t."""
+        before = [e for e in self.counters if e["name"] == name and key in e.get("args", {}) and e["start"] <= t]
+        if not before:
+            raise ValueError(f"no '{name}' sample before {t:.3f} ms: was this an FSDP run?")
+        return before[-1]["args"][key]
+
+    def counter_max(self, start, end, name="fsdp memory", key="param_bytes"):
+        """The highest value a counter held over [start, end)."""
+        return max([self.counter_at(start, name, key)] +
+                   [e["args"][key] for e in self.counters
+                    if e["name"] == name and key in e.get("args", {}) and start < e["start"] < end])
+
     def counter(self, start, end, name="fsdp memory", key="param_bytes"):
         """A counter's value over [start, end] as a step function: (times, values), beginning with the value held
         at `start` (the last sample before it) and ending with the value held at `end`."""
@@ -263,10 +284,14 @@ def step_summary(trace, step):
     waits = trace.within(start, end, "wait")
     comms = trace.within(start, end, "comm")
     all_reduces = [e for e in comms if e["name"] == "all_reduce"]
+    forward = trace.compute(step, "forward")
     last_bw = backward[-1] if backward else None
-    # Backward computes gradients until the training thread starts waiting for communication (the wait span).
+    # Backward computes gradients until the training thread starts its last wait for communication: the sync at the
+    # end of backward (FSDP also waits inside backward, for each all-gather and before each reduce-scatter).
     inner = [w for w in waits if last_bw and last_bw["start"] <= w["start"] <= last_bw["end"]]
-    compute_end = inner[0]["start"] if inner else (last_bw["end"] if last_bw else end)
+    compute_end = inner[-1]["start"] if inner else (last_bw["end"] if last_bw else end)
+    waited_in = lambda spans: sum(w["dur"] for w in waits
+                                  if any(sp["start"] <= w["start"] <= sp["end"] for sp in spans)) / 1e3
     return {
         "step": step,
         "start": start,
@@ -285,9 +310,21 @@ def step_summary(trace, step):
         "wire_dtypes": sorted({e["args"].get("wire_dtype") for e in all_reduces}),
         "comm_busy_ms": _union([(max(e["start"], start), min(e["end"], end)) for e in comms]),
         "exposed_ms": sum(e["dur"] for e in waits) / 1e3,
+        "exposed_forward_ms": waited_in(forward),     # FSDP: the waits for the all-gathers in forward
+        "exposed_backward_ms": waited_in(backward),
         "waits_inside_backward": all(any(b["start"] <= w["start"] and w["end"] <= b["end"] + 1e-3
                                          for b in backward) for w in waits),
     }
+
+
+def typical_step(run, rank=0, skip=2, key="exposed_ms"):
+    """The step whose `key` (a field of step_summary; default: the time spent waiting for communication) is the
+    median over the traced steps, skipping the first `skip` (setup) and the last (the trace is written right after
+    it and may lack its last collective): a step that is neither lucky nor unlucky, for pictures of noisy runs."""
+    trace = load_trace(run, rank)
+    steps = trace.steps()[skip:-1] or trace.steps()
+    ranked = sorted((step_summary(trace, s)[key], s) for s in steps)
+    return ranked[len(ranked) // 2][1]
 
 
 def trace_summary(run, rank=0, skip=2):
@@ -329,16 +366,18 @@ def _op_rows(comms):
 
 
 def plot_timeline(runs, step=None, rank=0, title="One training step of rank {rank}", lanes="each"):
-    """One axes per run: rank `rank`'s step `step` (default: the last). The top row is the training thread; below
-    it the collectives of the step, each bar from launch to completion (time spent queued behind earlier
-    collectives included): with lanes="each", one row per collective in launch order; with lanes="op", one row per
-    kind of collective (all_gather, reduce_scatter, ...), split only where two of a kind overlap, and for FSDP runs
-    each bar is labelled with its unit (see fsdp_step). Returns the step summaries (see step_summary)."""
+    """One axes per run: rank `rank`'s step `step` (default: the last; a list gives one step per run). The top row
+    is the training thread; below it the collectives of the step, each bar from launch to completion (time spent
+    queued behind earlier collectives included): with lanes="each", one row per collective in launch order; with
+    lanes="op", one row per kind of collective (all_gather, reduce_scatter, ...), split only where two of a kind
+    overlap, and for FSDP runs each bar is labelled with its unit (see fsdp_step). Returns the step summaries (see
+    step_summary)."""
     if lanes not in ("each", "op"):
         raise ValueError(f"lanes must be 'each' or 'op', not {lanes!r}")
     runs = runs if isinstance(runs, list) else [runs]
     traces = [load_trace(r, rank) for r in runs]
-    picked = [t.steps()[-1] if step is None else step for t in traces]
+    wanted = step if isinstance(step, (list, tuple)) else [step] * len(runs)
+    picked = [t.steps()[-1] if s is None else s for t, s in zip(traces, wanted)]
     if lanes == "op":
         counts = [len(_op_rows(t.within(*t.window(s), "comm"))) + 1 for t, s in zip(traces, picked)]
     else:
@@ -357,7 +396,7 @@ def plot_timeline(runs, step=None, rank=0, title="One training step of rank {ran
         longest = max(longest, t1 - t0)
         comms = trace.within(t0, t1, "comm")
         if lanes == "op":
-            if run["strategy"] == "fsdp":
+            if run["strategy"] in ("fsdp", "fsdp_prefetch"):
                 _name_fsdp_units(trace, s)
             op_rows = _op_rows(comms)
             n = len(op_rows)
@@ -482,7 +521,9 @@ def fsdp_step(run, step=None, rank=0):
     """FSDP in one traced step of rank `rank` (default: the last step), from the trace:
     forward_gathers, backward_gathers, reduce_scatters: the collectives' spans in launch order, each with its
     "unit"; param_times/param_bytes and grad_times/grad_bytes: the bytes held over the step (the "fsdp memory"
-    counter, a step function from the step's start to its end); start, end and the compute spans (ms)."""
+    counter, a step function from the step's start to its end); held_at(t) and held_max(a, b): the parameter bytes
+    held at time t and the most held over [a, b); waits: the step's wait spans in order; start, end and the compute
+    spans (ms)."""
     trace = load_trace(run, rank)
     s = trace.steps()[-1] if step is None else step
     start, end = trace.window(s)
@@ -492,7 +533,9 @@ def fsdp_step(run, step=None, rank=0):
     return {
         "step": s, "start": start, "end": end, "compute": trace.compute(s),
         "forward_gathers": fwd, "backward_gathers": bwd, "reduce_scatters": scatters,
-        "collectives": trace.within(start, end, "comm"),
+        "collectives": trace.within(start, end, "comm"), "waits": trace.within(start, end, "wait"),
+        "held_at": lambda t: trace.counter_at(t, key="param_bytes"),
+        "held_max": lambda a, b: trace.counter_max(a, b, key="param_bytes"),
         "param_times": param_times, "param_bytes": param_bytes,
         "grad_times": grad_times, "grad_bytes": grad_bytes,
     }
@@ -502,12 +545,13 @@ def plot_memory(runs, replica_bytes=None, step=None, rank=0, title="Parameter by
     """One panel per FSDP run: the parameter bytes its FSDP layer held over one step (the "fsdp memory" counter,
     measured), the run's theory peak (dashed) and, if given, a full replica's bytes (what DDP holds, flat). Under
     each panel a strip with the step's all-gathers and reduce-scatters, launch to done, labelled with their unit,
-    so that every step of the curve can be matched with the collective that caused it. Returns fsdp_step's dict
-    for each run."""
+    so that every step of the curve can be matched with the collective that caused it. `step` as for
+    plot_timeline. Returns fsdp_step's dict for each run."""
     runs = runs if isinstance(runs, list) else [runs]
-    steps = [fsdp_step(r, step, rank) for r in runs]
+    wanted = step if isinstance(step, (list, tuple)) else [step] * len(runs)
+    steps = [fsdp_step(r, s, rank) for r, s in zip(runs, wanted)]
     top = max([max(s["param_bytes"]) for s in steps] + [r["peak_param_bytes_theory"] for r in runs]
-              + [replica_bytes or 0]) / 1024 * 1.12
+              + [replica_bytes or 0]) / 1024 * 1.2
     ratios = []
     for _ in runs:
         ratios += [3.2, 0.75]
@@ -536,12 +580,18 @@ def plot_memory(runs, replica_bytes=None, step=None, rank=0, title="Parameter by
         peak = max(info["param_bytes"])
         k = info["param_bytes"].index(peak)
         ax.annotate(f"measured peak {peak / 1024:.1f} KiB", (times[k], peak / 1024),
-                    xytext=(10, 16), textcoords="offset points", fontsize=7, va="bottom",
+                    xytext=(10, 8), textcoords="offset points", fontsize=7, va="bottom",
                     arrowprops=dict(arrowstyle="-", color="gray", linewidth=0.6))
         ax.set(ylim=(0, top), xlim=(0, info["end"] - t0), ylabel="KiB")
         ax.set_xticklabels([])
         ax.set_title(f"{label(run)}: step {info['step']}", fontsize=9, loc="left")
-        ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1, 0.93), framealpha=0.9)
+        # The legend goes above the curve where there is room, else below the shards (nothing is drawn there), else
+        # where matplotlib finds it hides the least.
+        if max(info["param_bytes"]) / 1024 / top < 0.6:
+            ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1, 0.93), framealpha=0.9)
+        else:
+            ax.legend(fontsize=7, loc="lower right" if info["param_bytes"][0] / 1024 / top > 0.35 else "best",
+                      framealpha=0.9)
         rows = [("all_gather", info["forward_gathers"] + info["backward_gathers"]),
                 ("reduce_scatter", info["reduce_scatters"])]
         for y, (op, spans) in zip((1, 0), rows):
