@@ -185,6 +185,37 @@ bool Communicator::has_flat_all_gather(const at::Tensor& t) const {
   return kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && t.is_cpu());
 }
 
+// Note [What the Communicator allocates]
+// Beside the caller's tensors, a collective may need private ones while it is in flight; a memory meter that
+// leaves them out reports less than the step holds. all_gather_scratch_bytes / reduce_scatter_scratch_bytes state
+// them by the same rules the collectives below follow (they are tested against a counting CPU allocator):
+//  - a dtype the backend cannot carry (bf16 on Gloo 1.13) goes as f32 copies of input and output;
+//  - the list all-gather (Gloo before 2.6) gathers into a flat tensor of its own, then copies it out;
+//  - reduce_scatter on Gloo works on a copy of the whole input (the ring reduces into it; the fallback all-reduces
+//    it), and the ring receives into one more row.
+// Not counted: what a backend holds inside (Gloo's staging for its ring all-reduce and all-gather algorithms)
+// and the small tensors of barrier.
+int64_t Communicator::all_gather_scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const {
+  const bool f32 = !reduces_natively(dtype);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(f32 ? c10::kFloat : dtype));
+  int64_t bytes = f32 ? (size_ + 1) * input_numel * elem : 0;
+  const bool flat = kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && device.is_cpu());
+  if (!flat) bytes += size_ * input_numel * elem;
+  return bytes;
+}
+
+int64_t Communicator::reduce_scatter_scratch_bytes(c10::ScalarType dtype, int64_t input_numel,
+                                                   c10::Device device) const {
+  if (has_reduce_scatter()) return 0;
+  const bool f32 = !reduces_natively(dtype);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(f32 ? c10::kFloat : dtype));
+  const int64_t input_bytes = input_numel * static_cast<int64_t>(c10::elementSize(dtype));
+  const bool ring = rs_algorithm_ == ReduceScatterAlgorithm::kRing ||
+                    (rs_algorithm_ == ReduceScatterAlgorithm::kAuto && ring_reduce_scatter_pays(size_, input_bytes));
+  if (device.is_cpu() && ring) return size_ == 1 ? input_numel * elem : (input_numel + input_numel / size_) * elem;
+  return input_numel * elem;
+}
+
 c10::intrusive_ptr<compat::Work> Communicator::issue(const std::function<c10::intrusive_ptr<compat::Work>()>& call) {
   std::lock_guard<std::mutex> lock(*issuing_);
   return call();

@@ -58,8 +58,10 @@ else:
     if report["bytes_per_step"] != report["bytes_per_step_theory"]:
         errors.append(f"bytes per step {report['bytes_per_step']} differ from theory {report['bytes_per_step_theory']}")
     if report["strategy"].startswith("fsdp"):
-        # Memory: measured by FSDP's accounting, never below theory (the theory counts every buffer the design
-        # holds: a measured peak below it means the accounting misses one).
+        # Memory: measured by FSDP's meter. Parameters: the theory is the peak the design holds, buffer for buffer
+        # (a measured peak below it means the meter misses a buffer; above 1.05x, the design holds one too many).
+        # Gradients: the theory is an upper bound (Note [The gradient peak, walked]): measured above it means a
+        # buffer the theory does not count.
         for key in ("peak_param_bytes", "peak_param_bytes_theory", "peak_grad_bytes", "peak_grad_bytes_theory"):
             if key not in report:
                 errors.append(f"missing key {key}")
@@ -68,8 +70,10 @@ else:
                   "peak grad bytes", report["peak_grad_bytes"], "theory", report["peak_grad_bytes_theory"])
             if not report["peak_param_bytes_theory"] <= report["peak_param_bytes"]:
                 errors.append("measured parameter peak below theory: the accounting misses a buffer")
-            if not report["peak_grad_bytes_theory"] <= report["peak_grad_bytes"]:
-                errors.append("measured gradient peak below theory: the accounting misses a buffer")
+            if not report["peak_param_bytes"] <= 1.05 * report["peak_param_bytes_theory"]:
+                errors.append("measured parameter peak above 1.05x theory: a buffer the theory does not count")
+            if not report["peak_grad_bytes"] <= report["peak_grad_bytes_theory"]:
+                errors.append("measured gradient peak above theory: a buffer the theory does not count")
     worst = max(abs(a - b) for a, b in zip(report["losses"], report["reference_losses"]))
     print("max |loss - reference loss|", worst)
     if worst > max(1e-4, 10 * max_diff):

@@ -89,11 +89,11 @@ template <typename Wrapper>
 void begin_step_memory(Wrapper&) {}
 void begin_step_memory(fsdp::FullyShardedModel& w) { w.reset_memory_peaks(); }
 template <typename Wrapper>
-MemoryFigures step_memory(const Wrapper&, const Model& model) {
+MemoryFigures step_memory(const Wrapper&, const Model& model, int /*micro_batches*/) {
   return replica_memory(model);
 }
-MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&) {
-  const fsdp::MemoryTheory t = w.memory_theory();
+MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&, int micro_batches) {
+  const fsdp::MemoryTheory t = w.memory_theory(micro_batches);
   return {static_cast<double>(w.memory().peak_param_bytes), static_cast<double>(t.peak_param_bytes),
           static_cast<double>(w.memory().peak_grad_bytes), static_cast<double>(t.peak_grad_bytes)};
 }
@@ -146,7 +146,7 @@ class WrappedRunner : public StepRunner {
       Timeline::Scope span(timeline_, "optimizer", step);
       optimizer_->step();
     }
-    const MemoryFigures now = step_memory(*wrapper_, *model_);
+    const MemoryFigures now = step_memory(*wrapper_, *model_, config_.micro_batches);
     memory_.peak_param_bytes = std::max(memory_.peak_param_bytes, now.peak_param_bytes);
     memory_.peak_grad_bytes = std::max(memory_.peak_grad_bytes, now.peak_grad_bytes);
     memory_.peak_param_bytes_theory = now.peak_param_bytes_theory;

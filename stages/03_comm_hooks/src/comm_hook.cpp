@@ -127,6 +127,19 @@ Handle CommHook::operator()(const at::Tensor& grad, const at::Tensor& output) co
   return fn(*state, grad, output);
 }
 
+int64_t reduce_scatter_scratch_bytes(const CommHook& hook, c10::ScalarType dtype, int64_t grad_numel,
+                                     c10::Device device) {
+  SHARDLAB_INTERNAL_ASSERT(hook.state && hook.state->comm, "reduce_scatter_scratch_bytes: hook '" + hook.name +
+                                                               "' has no state bound to a Communicator");
+  const Communicator& comm = *hook.state->comm;
+  c10::ScalarType wire = dtype;
+  if (hook.fn == &fp16_compress_hook) wire = at::kHalf;
+  if (hook.fn == &bf16_compress_hook) wire = at::kBFloat16;
+  const int64_t copies =
+      wire == dtype ? 0 : (grad_numel + grad_numel / comm.size()) * static_cast<int64_t>(c10::elementSize(wire));
+  return copies + comm.reduce_scatter_scratch_bytes(wire, grad_numel, device);
+}
+
 const std::vector<std::string>& hook_names() {
   static const std::vector<std::string> names{"allreduce", "reduce_scatter", "fp16", "bf16"};
   return names;

@@ -73,6 +73,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     throw std::invalid_argument("FullyShardedModel: hook '" + options_.hook +
                                 "' cannot reduce-scatter; expected reduce_scatter, fp16 or bf16");
   const comm_hooks::CommHook hook = comm_hooks::make_hook(options_.hook, comm_);
+  if (options_.pool_buffers) pool_ = std::make_unique<BufferPool>();  // CPU buffers only; CUDA has its own cache
 
   // Which unit owns each parameter: the model's units in order, then the root (index = number of units).
   std::vector<Unit>& slots = model_->units();
@@ -127,12 +128,13 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
   // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
   naive_ddp::broadcast_state(*model_, comm_);
   for (size_t u = 0; u < root; ++u) {
-    units_.push_back(
-        std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_));
+    units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_,
+                                                pool_.get()));
   }
   has_root_ = !groups[root].empty();
   if (has_root_)
-    units_.push_back(std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision, hook, meter_));
+    units_.push_back(
+        std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision, hook, meter_, pool_.get()));
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->set_event_sink([this, u](UnitEventKind kind) {
       const uint64_t seq = events_++;
@@ -382,24 +384,72 @@ int64_t FullyShardedModel::parameter_peak(int64_t ahead) const {
   return peak;
 }
 
-MemoryTheory FullyShardedModel::memory_theory() const {
+// Note [The gradient peak, walked]
+// A synchronized backward meets the units in the reverse of the forward order, the root last (its gradients are
+// complete only when the embedding's, the last, has come). At each unit u:
+//  - while u's backward runs, its unsharded gradients come in beside the previous unit's reduce-scatter, still in
+//    flight (one at a time: Note [One reduce-scatter in flight]);
+//  - when u is ready, the previous reduce-scatter is waited for (its buffers freed) and u's buffers made while its
+//    unsharded gradients still exist; they are freed as they are copied in.
+// Beside every moment: the sharded gradients (all of them: after the first step they stay), and the root's
+// unsharded gradients, counted whole from the start. That last term makes the theory an upper bound: the root's
+// gradients do not all come at the start (the head's does, the embedding's comes last), and nothing tells when
+// each will.
+// With accumulation (micro-batches under no_sync before the last), every unit's gradients from the earlier
+// micro-batches are there when the last backward starts: in `.grad()` (reduce dtype = param dtype: autograd adds the
+// last micro-batch's in place) or in reduce-dtype accumulators, beside which the last micro-batch's come in the param
+// dtype. Each unit's are freed as its reduce-scatter is laid out, so the peak is at the first units of backward.
+int64_t FullyShardedModel::gradient_peak(bool accumulating) const {
+  std::vector<size_t> order = last_forward_order_;
+  if (order.empty()) {
+    if (has_root_) order.push_back(units_.size() - 1);
+    for (size_t u = 0; u + (has_root_ ? 1 : 0) < units_.size(); ++u) order.push_back(u);
+  }
+  int64_t held = 0;
+  for (const auto& unit : units_)
+    for (const auto& fp : unit->params())
+      if (fp.trainable) held += fp.sharded.numel() * static_cast<int64_t>(c10::elementSize(unit->dtypes().orig));
+  // What accumulation keeps of unit u from the earlier micro-batches, and what the last one adds beside it.
+  auto kept = [&](const FsdpUnit& u) {
+    if (!accumulating) return int64_t{0};
+    const int64_t numel = u.unsharded_grad_bytes() / static_cast<int64_t>(c10::elementSize(u.dtypes().param));
+    return numel * static_cast<int64_t>(c10::elementSize(u.dtypes().reduce));
+  };
+  auto incoming = [&](const FsdpUnit& u) {
+    const bool in_place = accumulating && u.dtypes().reduce == u.dtypes().param;
+    return in_place ? int64_t{0} : u.unsharded_grad_bytes();
+  };
+  for (const auto& unit : units_) held += kept(*unit);
+  if (has_root_) held += incoming(*units_.back());  // the root's: counted from the start (an upper bound)
+  int64_t peak = held, in_flight = 0;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const FsdpUnit& unit = *units_[*it];
+    if (unit.trainable_count() == 0) continue;
+    const bool is_root = has_root_ && *it + 1 == units_.size();
+    const int64_t grads = is_root ? 0 : incoming(unit);  // the root's are in `held`
+    peak = std::max({peak, held + in_flight + grads, held + grads + unit.reduce_bytes()});
+    held -= kept(unit);  // laid out into the reduce-scatter input, then freed
+    in_flight = unit.reduce_bytes();
+  }
+  return std::max(peak, held + in_flight);
+}
+
+MemoryTheory FullyShardedModel::memory_theory(int micro_batches) const {
+  if (micro_batches < 1)
+    throw std::invalid_argument("memory_theory: expected micro_batches >= 1; got " + std::to_string(micro_batches));
   MemoryTheory t;
   for (size_t u = 0; u < units_.size(); ++u) {
     const FsdpUnit& unit = *units_[u];
     const bool is_root = has_root_ && u + 1 == units_.size();
     t.sharded_param_bytes += unit.sharded_bytes();
-    int64_t unsharded_grads = 0, row = 0;
-    for (const auto& fp : unit.params()) {
-      if (!fp.trainable) continue;
-      t.sharded_grad_bytes += fp.sharded.numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().orig));
-      unsharded_grads += fp.spec.numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().param));
-      row += fp.spec.padded_numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().reduce));
-    }
-    t.largest_reduce_bytes = std::max(t.largest_reduce_bytes, (comm_.size() + 1) * row);
+    const int64_t unsharded_grads = unit.unsharded_grad_bytes();
+    for (const auto& fp : unit.params())
+      if (fp.trainable)
+        t.sharded_grad_bytes += fp.sharded.numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().orig));
+    t.largest_reduce_bytes = std::max(t.largest_reduce_bytes, unit.reduce_bytes());
     t.largest_all_gather_bytes = std::max(t.largest_all_gather_bytes, unit.all_gather_bytes());
     if (is_root) {
       t.root_bytes = unit.gathered_capacity_bytes();
-      t.peak_grad_bytes += unsharded_grads;  // the root's gradients live through the whole backward
     } else {
       t.largest_unit_bytes = std::max(t.largest_unit_bytes, unit.gathered_capacity_bytes());
       t.all_units_bytes += unit.gathered_capacity_bytes();
@@ -408,7 +458,7 @@ MemoryTheory FullyShardedModel::memory_theory() const {
   }
   t.ahead = schedule_ ? schedule_->max_ahead() : 0;
   t.peak_param_bytes = parameter_peak(t.ahead);
-  t.peak_grad_bytes += t.sharded_grad_bytes + t.largest_unit_grad_bytes;
+  t.peak_grad_bytes = gradient_peak(micro_batches > 1);
   return t;
 }
 

@@ -70,8 +70,8 @@ const char* to_string(UnitState state) {
 }
 
 FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
-                   const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter)
-    : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter) {
+                   const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter, BufferPool* pool)
+    : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter), pool_(pool) {
   validate(name_, params);
   const at::Tensor& first = params.front().second;
   dtypes_ = resolve_dtypes(policy, first.scalar_type());
@@ -99,7 +99,9 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
 
   at::NoGradGuard no_grad;
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
-  gathered_ = at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
+  gathered_ = first.is_cpu() && pool_ != nullptr
+                  ? pool_->empty(gathered_numel_, dtypes_.param)  // regrow_storage draws from the pool too
+                  : at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
   // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered
   throw ::shardlab::NotImplemented("04", "copy this rank's shard of every parameter in; make the sharded parameters and the gathered");
   meter_.allocate(MemoryKind::kParams, sharded_bytes());
@@ -162,7 +164,27 @@ int64_t FsdpUnit::all_gather_bytes_held() const { return storage_bytes(all_gathe
 
 int64_t FsdpUnit::all_gather_bytes() const {
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtypes_.param));
-  return (comm_.size() + (dtypes_.casts_params() ? 1 : 0)) * shard_numel_ * elem;
+  return (comm_.size() + (dtypes_.casts_params() ? 1 : 0)) * shard_numel_ * elem +
+         comm_.all_gather_scratch_bytes(dtypes_.param, shard_numel_, sharded_flat_.device());
+}
+
+int64_t FsdpUnit::unsharded_grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& fp : params_)
+    if (fp.trainable) bytes += fp.spec.numel() * static_cast<int64_t>(c10::elementSize(dtypes_.param));
+  return bytes;
+}
+
+int64_t FsdpUnit::reduce_bytes() const {
+  if (grad_row_numel_ == 0) return 0;
+  const int64_t input = comm_.size() * grad_row_numel_;
+  return (input + grad_row_numel_) * static_cast<int64_t>(c10::elementSize(dtypes_.reduce)) +
+         comm_hooks::reduce_scatter_scratch_bytes(hook_, dtypes_.reduce, input, sharded_flat_.device());
+}
+
+at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
+  if (pool_ != nullptr && sharded_flat_.is_cpu()) return pool_->empty(numel, dtype);
+  return at::empty({numel}, sharded_flat_.options().dtype(dtype));
 }
 
 void FsdpUnit::begin_unshard() {
@@ -248,9 +270,9 @@ void FsdpUnit::stash_gradients() {
 Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   const int world = comm_.size();
   at::NoGradGuard no_grad;
-  at::Tensor input = at::empty({world, grad_row_numel_}, sharded_flat_.options().dtype(dtypes_.reduce));
-  at::Tensor output = at::empty({grad_row_numel_}, input.options());
-  const int64_t transient = bytes_of(input) + bytes_of(output);
+  at::Tensor input = new_buffer(world * grad_row_numel_, dtypes_.reduce).view({world, grad_row_numel_});
+  at::Tensor output = new_buffer(grad_row_numel_, dtypes_.reduce);
+  const int64_t transient = reduce_bytes();  // with the hook's and the Communicator's copies
   meter_.allocate(MemoryKind::kGrads, transient);
   // TODO(stage04): rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them
   throw ::shardlab::NotImplemented("04", "rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them");

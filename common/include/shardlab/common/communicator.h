@@ -145,6 +145,15 @@ class Communicator {
   /// of send/recv for CPU tensors (wire_op "reduce_scatter(ring)", (N-1)/N of the input sent), or as an all-reduce
   /// of the whole input (wire_op "all_reduce"; CUDA tensors, or when reduce_scatter_algorithm() says so).
   bool has_reduce_scatter() const;
+  /// Bytes all_gather holds privately, beyond the caller's tensors, while a gather of `input_numel` elements of
+  /// `dtype` on `device` is in flight: the f32 copies of input and output where the backend cannot carry the dtype,
+  /// and the flat output the backend's list all-gather fills before copying it out (Gloo before libtorch 2.6).
+  /// Memory meters add it (see Note [What the Communicator allocates]).
+  int64_t all_gather_scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const;
+  /// Bytes reduce_scatter holds privately while one of `input_numel` elements of `dtype` on `device` is in flight:
+  /// the copy of the whole input the ring or the all-reduce fallback works on (f32 where the backend cannot carry
+  /// the dtype) and the ring's receive row; 0 on NCCL. See Note [What the Communicator allocates].
+  int64_t reduce_scatter_scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const;
   /// What a Gloo reduce_scatter of CPU tensors runs (kAuto by default; see Note [Ring reduce-scatter]).
   ReduceScatterAlgorithm reduce_scatter_algorithm() const { return rs_algorithm_; }
   /// Chooses it. Every rank of the group must choose the same, before the collectives it affects.

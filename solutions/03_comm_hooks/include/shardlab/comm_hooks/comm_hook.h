@@ -94,6 +94,13 @@ struct CommHook {
   Handle operator()(const at::Tensor& grad, const at::Tensor& output = {}) const;
 };
 
+/// Bytes `hook` holds privately, beyond its grad and output, while a reduce-scatter-form call on `grad_numel`
+/// elements of `dtype` on `device` is in flight: a low-precision hook's copies of grad and output in its own dtype
+/// (none when grad already is in it) and what the Communicator holds for the reduce-scatter it issues
+/// (Communicator::reduce_scatter_scratch_bytes). Memory meters add it (stage 04's FSDP does).
+int64_t reduce_scatter_scratch_bytes(const CommHook& hook, c10::ScalarType dtype, int64_t grad_numel,
+                                     c10::Device device);
+
 /// The names make_hook accepts, in a stable order: "allreduce", "reduce_scatter", "fp16", "bf16".
 const std::vector<std::string>& hook_names();
 

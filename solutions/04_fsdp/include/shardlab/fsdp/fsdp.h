@@ -92,6 +92,9 @@ struct Options {
   std::string hook = "reduce_scatter";      ///< stage 03 hook for gradients: reduce_scatter (average in the
                                             ///< reduce dtype), fp16 or bf16 (compressed on the wire)
   bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
+  bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
+                                            ///< instead of malloc and free every step (Note [Why FSDP pools its
+                                            ///< buffers] in common); false: the device's allocator
 };
 
 /// The memory a step should need per rank, from the layout (what MemoryStats is compared with).
@@ -106,9 +109,12 @@ struct MemoryTheory {
                                          ///< + what stays gathered (the root; every unit without raf) + the largest
                                          ///< moment of one unit: its gathered buffer beside its own all-gather buffer
                                          ///< at copy-out and those of the units `ahead` (walked in forward order)
-  int64_t peak_grad_bytes = 0;           ///< the gradient peak: sharded grads + the root's unsharded grads (alive
-                                         ///< through the whole backward) + the largest unit's unsharded grads
-  int64_t largest_reduce_bytes = 0;      ///< the largest unit's reduce-scatter buffers (S rows in, one row out)
+  int64_t peak_grad_bytes = 0;           ///< the gradient peak of a synchronized step, walked over the backward
+                                         ///< (Note [The gradient peak, walked]): sharded grads + the root's
+                                         ///< unsharded grads (counted from the start of backward, an upper bound)
+                                         ///< + the largest moment of one unit: its unsharded grads beside its own
+                                         ///< reduce-scatter buffers, or beside the previous unit's in flight
+  int64_t largest_reduce_bytes = 0;      ///< the largest unit's reduce-scatter buffers (FsdpUnit::reduce_bytes)
   int64_t largest_all_gather_bytes = 0;  ///< the largest unit's all-gather buffers (FsdpUnit::all_gather_bytes)
   int64_t ahead = 0;                     ///< units the schedule may hold ahead of their use (UnshardSchedule)
 };
@@ -172,8 +178,9 @@ class FullyShardedModel {
   const MemoryStats& memory() const { return meter_.stats(); }
   /// Starts a new peak window (e.g. at the start of each step).
   void reset_memory_peaks() { meter_.reset_peaks(); }
-  /// What the peaks should be for this layout and these options.
-  MemoryTheory memory_theory() const;
+  /// What the peaks of a step should be for this layout and these options, the step made of `micro_batches`
+  /// micro-batches (all but the last under no_sync). @throws std::invalid_argument for micro_batches < 1.
+  MemoryTheory memory_theory(int micro_batches = 1) const;
   /// Issues unit `u`'s all-gather now when the unit is sharded (no-op otherwise): its own pre-forward or
   /// pre-backward then only waits for it. For an UnshardSchedule. A collective: every rank issues the same.
   void begin_unshard(size_t u);
@@ -194,6 +201,9 @@ class FullyShardedModel {
   /// The index of the root in units(), or units().size() when there is no root.
   size_t root_index() const { return has_root_ ? units_.size() - 1 : units_.size(); }
 
+  /// What the buffer pool holds and has held (all zero without one: Options::pool_buffers false, or CUDA).
+  PoolStats pool_stats() const { return pool_ ? pool_->stats() : PoolStats{}; }
+
   /// Keeps a sample of the bytes held at every allocation and free from now on (for timelines; off by default).
   void record_memory_samples(bool on) { meter_.record_samples(on); }
   /// The samples kept so far.
@@ -206,6 +216,7 @@ class FullyShardedModel {
   void pre_backward(size_t u);
   void consult_schedule(SchedulePoint point, size_t u);
   int64_t parameter_peak(int64_t ahead) const;
+  int64_t gradient_peak(bool accumulating) const;
   void wait_for_reduce(Handle& reduce);
   void on_gradient_ready(size_t g);
   void on_unit_ready(size_t u);
@@ -218,6 +229,7 @@ class FullyShardedModel {
   Communicator& comm_;
   Options options_;
   MemoryMeter meter_;
+  std::unique_ptr<BufferPool> pool_;              // Options::pool_buffers; before the units, which draw from it
   std::vector<std::unique_ptr<FsdpUnit>> units_;  // model units in order, then the root
   bool has_root_ = false;
   std::vector<UnitForward> inner_forward_;        // each model unit's slot before we took it

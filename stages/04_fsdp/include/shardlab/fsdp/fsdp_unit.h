@@ -24,6 +24,7 @@
 /// begin_unshard / finish_unshard are split so that stage 05 can issue the next unit's all-gather early.
 
 #include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/buffer_pool.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
@@ -88,10 +89,12 @@ class FsdpUnit {
   /// @param policy mixed precision; resolved per unit with resolve_dtypes.
   /// @param hook stage 03's reduce-scatter-form hook the gradients go through (fp32 average, fp16, bf16).
   /// @param meter counts every buffer the unit allocates and frees.
+  /// @param pool where the unit's buffers come from (CPU tensors only; null: the device's allocator). It must
+  ///        outlive the unit. See Note [Why FSDP pools its buffers] in common.
   /// @throws std::invalid_argument naming the parameter for a scalar, a non-contiguous or a non-dense parameter,
   ///         for parameters of different dtypes or devices in one unit, and for an empty unit.
   FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
-           const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter);
+           const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter, BufferPool* pool = nullptr);
   ~FsdpUnit();
   FsdpUnit(const FsdpUnit&) = delete;
   FsdpUnit& operator=(const FsdpUnit&) = delete;
@@ -132,11 +135,18 @@ class FsdpUnit {
   int64_t gathered_capacity_bytes() const;
   /// Bytes of the sharded buffer (this rank's padded shards).
   int64_t sharded_bytes() const;
-  /// Bytes an all-gather in flight holds: its output (S blocks of the padded shards, param dtype) and, with a param
-  /// dtype that differs from the original, the cast shards it sends.
+  /// Bytes an all-gather in flight holds: its output (S blocks of the padded shards, param dtype), with a param
+  /// dtype that differs from the original the cast shards it sends, and the Communicator's private copies
+  /// (Communicator::all_gather_scratch_bytes).
   int64_t all_gather_bytes() const;
   /// Bytes the all-gather buffer holds now (its storage; 0 unless an all-gather is in flight).
   int64_t all_gather_bytes_held() const;
+  /// Bytes of the unsharded gradients of the trainable parameters (param dtype), all of them at once.
+  int64_t unsharded_grad_bytes() const;
+  /// Bytes a reduce-scatter of this unit holds while in flight: its input (S rows of the padded gradients) and
+  /// output (one row) in the reduce dtype, and the hook's and the Communicator's private copies
+  /// (comm_hooks::reduce_scatter_scratch_bytes). 0 for a unit without trainable parameters.
+  int64_t reduce_bytes() const;
 
   /// Counts params()[k]'s unsharded gradient in the meter (once, until it is reduced or stashed). Called by the
   /// wrapper when the gradient has been accumulated.
@@ -170,6 +180,7 @@ class FsdpUnit {
 
  private:
   void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
+  at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
   void release_gradient(size_t k);
   void count_sharded_gradients();
   void emit(UnitEventKind kind) const {
@@ -181,6 +192,7 @@ class FsdpUnit {
   UnitDtypes dtypes_;
   comm_hooks::CommHook hook_;
   MemoryMeter& meter_;
+  BufferPool* pool_;  // null: the device's allocator
   std::vector<FsdpParam> params_;
   int64_t shard_numel_ = 0;              // Σ padded shard numel: the sharded buffer, one block of the all-gather
   int64_t gathered_numel_ = 0;           // Σ numel: the gathered buffer

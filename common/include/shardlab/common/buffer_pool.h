@@ -1,0 +1,69 @@
+#pragma once
+/// @file buffer_pool.h
+/// A pool of host buffers that are reused rather than given back to malloc: what the CUDA caching allocator does
+/// for FSDP on GPUs, for the CPU. See Note [Why FSDP pools its buffers] in buffer_pool.cpp.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <torch/version.h>
+
+#include <cstdint>
+#include <memory>
+
+// c10::Allocator::allocate is const before libtorch 2.3, non-const after, where copy_data became pure virtual.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define SHARDLAB_ALLOCATE_CONST
+#define SHARDLAB_ALLOCATOR_COPY_DATA                                                          \
+  void copy_data(void* dest, const void* src, std::size_t count) const override { /* NOLINT */ \
+    default_copy_data(dest, src, count);                                                      \
+  }
+#else
+#define SHARDLAB_ALLOCATE_CONST const
+#define SHARDLAB_ALLOCATOR_COPY_DATA
+#endif
+
+namespace shardlab {
+
+/// What a BufferPool holds.
+struct PoolStats {
+  int64_t in_use_bytes = 0;         ///< bytes of blocks handed out and not yet freed
+  int64_t cached_bytes = 0;         ///< bytes of freed blocks kept for reuse
+  int64_t peak_reserved_bytes = 0;  ///< the most in_use + cached ever held: what the process pays for the pool
+  int64_t system_allocations = 0;   ///< blocks asked of the system allocator (the rest were reused)
+  int64_t reuses = 0;               ///< requests served from the cache
+};
+
+/// A c10::Allocator for CPU tensors that keeps every block it hands out: when a tensor's storage lets go of one
+/// (the tensor dies, or free_storage), the block goes back to the pool, and a later request for as many bytes, or
+/// a few more, takes it again instead of asking malloc. Tensors made by `empty()` keep the pool as their storage's
+/// allocator, so regrow_storage draws from it too.
+///
+/// Contract: thread-safe (blocks may be freed on any thread). The pool's state lives as long as the last block it
+/// handed out: tensors may outlive the BufferPool object. It never gives cached memory back by itself; `trim()`
+/// does. CPU only.
+class BufferPool final : public c10::Allocator {
+ public:
+  /// A pool over `system` (the CPU allocator in force when null).
+  explicit BufferPool(c10::Allocator* system = nullptr);
+  ~BufferPool() override;
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  /// A block of at least `n` bytes: a cached one when one fits (its size in [n, n + n/8]), else a new one.
+  c10::DataPtr allocate(size_t n) SHARDLAB_ALLOCATE_CONST override;
+  SHARDLAB_ALLOCATOR_COPY_DATA
+
+  /// An uninitialized contiguous CPU tensor of `numel` elements of `dtype` whose storage uses this pool.
+  at::Tensor empty(int64_t numel, c10::ScalarType dtype);
+  /// What the pool holds now and has held.
+  PoolStats stats() const;
+  /// Gives every cached block back to the system allocator.
+  void trim();
+
+  struct State;  ///< shared with the blocks handed out (implementation detail)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace shardlab
