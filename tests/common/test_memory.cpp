@@ -49,9 +49,8 @@ TEST_P(CommunicatorScratch, WhatACollectiveAllocatesIsWhatItStates) {
         const bool gather = c.op == "all_gather";
         at::Tensor small = at::ones({kChunk}, at::TensorOptions().dtype(c.dtype));
         at::Tensor large = at::ones({2 * kChunk}, at::TensorOptions().dtype(c.dtype));
-        const int64_t stated =
-            gather ? comm.all_gather_scratch_bytes(c.dtype, kChunk, c10::Device(c10::kCPU))
-                   : comm.reduce_scatter_scratch_bytes(c.dtype, 2 * kChunk, c10::Device(c10::kCPU));
+        const int64_t stated = gather ? comm.all_gather_scratch_bytes(c.dtype, kChunk, c10::Device(c10::kCPU))
+                                      : comm.reduce_scatter_scratch_bytes(c.dtype, 2 * kChunk, c10::Device(c10::kCPU));
         comm.barrier();
         if (comm.rank() == 0) counting().reset_peak();
         const int64_t before = counting().live();
@@ -74,14 +73,14 @@ TEST_P(CommunicatorScratch, WhatACollectiveAllocatesIsWhatItStates) {
       test_support::test_group());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Common, CommunicatorScratch,
-    ::testing::Values(ScratchCase{"all_gather", at::kFloat, ReduceScatterAlgorithm::kAuto},
-                      ScratchCase{"all_gather", at::kBFloat16, ReduceScatterAlgorithm::kAuto},
-                      ScratchCase{"reduce_scatter", at::kFloat, ReduceScatterAlgorithm::kRing},
-                      ScratchCase{"reduce_scatter", at::kFloat, ReduceScatterAlgorithm::kAllReduce},
-                      ScratchCase{"reduce_scatter", at::kBFloat16, ReduceScatterAlgorithm::kRing}),
-    [](const auto& info) { return name_of(info.param); });
+INSTANTIATE_TEST_SUITE_P(Common, CommunicatorScratch,
+                         ::testing::Values(ScratchCase{"all_gather", at::kFloat, ReduceScatterAlgorithm::kAuto},
+                                           ScratchCase{"all_gather", at::kBFloat16, ReduceScatterAlgorithm::kAuto},
+                                           ScratchCase{"reduce_scatter", at::kFloat, ReduceScatterAlgorithm::kRing},
+                                           ScratchCase{"reduce_scatter", at::kFloat,
+                                                       ReduceScatterAlgorithm::kAllReduce},
+                                           ScratchCase{"reduce_scatter", at::kBFloat16, ReduceScatterAlgorithm::kRing}),
+                         [](const auto& info) { return name_of(info.param); });
 
 TEST(BufferPool, ReusesAFreedBlockForTheSameSizeAndASlightlySmallerOne) {
   BufferPool pool;

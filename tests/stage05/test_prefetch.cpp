@@ -456,5 +456,55 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
       test_group());
 }
 
+TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
+  const TrainConfig c = gpt();
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        FullyShardedModel fsdp(make_model(c, at::kCPU), comm);
+        auto schedule = enable_prefetch(fsdp, depths(2, 2));
+        const Batch batch = gpt_batch(c, 0, comm);
+        fsdp.loss(batch).backward();
+        std::vector<at::Tensor> clean;
+        for (const auto& p : fsdp.parameters()) clean.push_back(p.grad().clone());
+        // A forward that throws once block1 is gathered (a user's module failing): blocks 2 and 3 are in flight.
+        UnitLog log(fsdp);
+        const size_t block1 = 1;
+        bool thrown = false;
+        log.on_event = [&](const fsdp::UnitEvent& e) {
+          if (thrown || e.kind != UnitEventKind::kFinishUnshard || e.unit != block1) return;
+          thrown = true;
+          throw std::runtime_error("a module failed in its forward");
+        };
+        EXPECT_THROW(fsdp.loss(batch), std::runtime_error);
+        ASSERT_TRUE(thrown);
+        bool in_flight = false;
+        for (const auto& unit : fsdp.units()) in_flight |= unit->state() == UnitState::kUnsharding;
+        EXPECT_TRUE(in_flight) << "the throw must leave a prefetch in flight, or this tests nothing";
+        // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
+        bool checked = false;
+        log.on_event = [&](const fsdp::UnitEvent& e) {
+          if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
+          checked = true;
+          for (size_t u = 0; u < fsdp.units().size(); ++u) {
+            if (u == e.unit) continue;
+            EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
+            EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
+          }
+          const auto records = comm.recorder().snapshot();
+          for (size_t i = 0; i + 1 < records.size(); ++i)
+            EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
+        };
+        for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
+        fsdp.loss(batch).backward();
+        EXPECT_TRUE(checked);
+        const auto params = fsdp.parameters();
+        for (size_t k = 0; k < params.size(); ++k)
+          EXPECT_EQ(test_support::max_diff(params[k].grad(), clean[k]), 0.0)
+              << "parameter " << k << ": the step after the failed forward differs from a clean one";
+      },
+      test_group());
+}
+
 }  // namespace
 }  // namespace shardlab::prefetch

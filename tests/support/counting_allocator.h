@@ -61,8 +61,7 @@ class CountingCpuAllocator final : public c10::Allocator {
   void add(int64_t bytes) {
     const int64_t now = live_ += bytes;
     int64_t seen = peak_.load();
-    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
-    }
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {}
   }
 
   c10::Allocator* inner_ = nullptr;

@@ -74,6 +74,9 @@ else:
                 errors.append("measured parameter peak above 1.05x theory: a buffer the theory does not count")
             if not report["peak_grad_bytes"] <= report["peak_grad_bytes_theory"]:
                 errors.append("measured gradient peak above theory: a buffer the theory does not count")
+    rss = report.get("peak_rss_bytes", [])
+    if len(rss) != report["world_size"] or not all(b > 0 for b in rss):
+        errors.append(f"expected every rank's peak RSS; got {rss}")
     worst = max(abs(a - b) for a, b in zip(report["losses"], report["reference_losses"]))
     print("max |loss - reference loss|", worst)
     if worst > max(1e-4, 10 * max_diff):

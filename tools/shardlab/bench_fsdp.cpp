@@ -209,8 +209,16 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   auto share = [](double part, double whole) { return whole > 0 ? part / whole : 0.0; };
   md << "| strategy | step ms | vs PyTorch FSDP2 | comm ms/step | exposed ms/step | exposed share (run) | exposed "
         "share (median step) | collectives/step | payload bytes/step | sent bytes/step | sent / "
-        "ring theory | peak param bytes | / theory | peak grad bytes | / theory | max abs param diff |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "ring theory | peak param bytes | / theory | peak grad bytes | / theory | max abs param diff | peak RSS MiB "
+        "per "
+        "rank |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  auto rss = [](const RunReport& r) {
+    std::string text;
+    for (double b : r.peak_rss_bytes)
+      text += (text.empty() ? "" : ", ") + std::to_string(static_cast<int64_t>(b / (1 << 20)));
+    return text;
+  };
   for (const auto& row : rows) {
     const auto& r = row.report;
     const PeerResult& peer = peers[row.raf ? 0 : 1];
@@ -224,14 +232,15 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
        << " | " << static_cast<int64_t>(r.peak_param_bytes) << " | "
        << fmt(r.peak_param_bytes / std::max(1.0, r.peak_param_bytes_theory), 2) << " | "
        << static_cast<int64_t>(r.peak_grad_bytes) << " | "
-       << fmt(r.peak_grad_bytes / std::max(1.0, r.peak_grad_bytes_theory), 2) << " | " << r.max_param_diff << " |\n";
+       << fmt(r.peak_grad_bytes / std::max(1.0, r.peak_grad_bytes_theory), 2) << " | " << r.max_param_diff << " | "
+       << rss(r) << " |\n";
   }
   for (int i = 0; i < 2 && ratios; ++i) {
     const Row fsdp_row{"", "fsdp", i == 0, -1, {}};
     md << "| pytorch fsdp2 " << (i == 0 ? "(reshard after forward)" : "(kept after forward)") << " ("
        << peers[i].version << ") | " << fmt(peers[i].step_ms, 2) << " | 1.00x | | | | | | "
        << static_cast<int64_t>(peers[i].payload) << " | " << static_cast<int64_t>(peers[i].sent) << " | "
-       << fmt(peers[i].sent / ring_theory(fsdp_row), 3) << " | | | | | |\n";
+       << fmt(peers[i].sent / ring_theory(fsdp_row), 3) << " | | | | | | not reported |\n";
   }
 
   std::ostringstream targets;

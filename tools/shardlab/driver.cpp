@@ -129,6 +129,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.train = o.train;
   r.trace_dir = o.trace_dir;
   r.reshard_after_forward = o.strategy_options.reshard_after_forward;
+  r.pool_buffers = o.strategy_options.pool_buffers;
   if (o.strategy == "fsdp_prefetch") {
     r.prefetch_depth = o.strategy_options.prefetch_depth;
     r.prefetch_limit = o.strategy_options.prefetch_limit > 0 ? o.strategy_options.prefetch_limit
@@ -172,6 +173,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.auto_caps = text["auto_caps"];
       r.auto_caps_buckets_theory = first("auto_caps_buckets_theory");
     }
+    r.peak_rss_bytes.push_back(text["peak_rss_bytes"].empty() ? 0.0 : text["peak_rss_bytes"][0]);
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
     in.read(reinterpret_cast<char*>(mine.data_ptr<double>()), static_cast<std::streamsize>(mine.numel() * 8));
@@ -218,6 +220,13 @@ void print_report(const RunReport& r) {
               << static_cast<int64_t>(r.peak_grad_bytes) << " bytes (theory "
               << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
               << (r.strategy.rfind("fsdp", 0) == 0 ? ", measured" : ", a full replica") << "\n";
+  if (!r.peak_rss_bytes.empty()) {
+    std::cout << "  peak RSS per rank, second half of the steps (what the operating system saw):";
+    for (double b : r.peak_rss_bytes) std::cout << " " << static_cast<int64_t>(b / (1 << 20)) << " MiB";
+    std::cout << (r.strategy.rfind("fsdp", 0) == 0 ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)")
+                                                   : "")
+              << "\n";
+  }
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
   if (r.world_size > 1) {
     std::cout << "  communication per step: " << r.comm_busy_ms_per_step << " ms in flight, "
@@ -316,8 +325,10 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
   json_array(out, r.auto_caps);
   out << ",\n"
       << pad << "  \"auto_caps_buckets_theory\": " << r.auto_caps_buckets_theory << ",\n"
-      << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n"
-      << pad << "}";
+      << pad << "  \"pool_buffers\": " << (r.pool_buffers ? "true" : "false") << ",\n"
+      << pad << "  \"peak_rss_bytes\": ";
+  json_array(out, r.peak_rss_bytes);
+  out << ",\n" << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n" << pad << "}";
 }
 
 }  // namespace

@@ -115,6 +115,8 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.backend = one_of(flag, v, {"gloo", "nccl"});
     else if (flag == "--comm-yield")
       o.comm_yield = one_of(flag, v, {"on", "off"}) == "on";
+    else if (flag == "--cpu-allocator")
+      o.cpu_allocator = one_of(flag, v, {"system", "pool"});
     else if (flag == "--layers")
       o.train.layers = parse_int(flag, v, 1, 64);
     else if (flag == "--dim")
@@ -129,6 +131,8 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.strategy_options.prefetch_depth = static_cast<int>(parse_int(flag, v, 0, 64));
     else if (flag == "--prefetch-limit")
       o.strategy_options.prefetch_limit = static_cast<int>(parse_int(flag, v, 0, 64));
+    else if (flag == "--pool-buffers")
+      o.strategy_options.pool_buffers = one_of(flag, v, {"true", "false"}) == "true";
     else
       throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
@@ -212,12 +216,16 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 o.backend,
                                 "--comm-yield",
                                 o.comm_yield ? "on" : "off",
+                                "--cpu-allocator",
+                                o.cpu_allocator,
                                 "--layers",
                                 std::to_string(o.train.layers),
                                 "--dim",
                                 std::to_string(o.train.dim),
                                 "--reshard-after-forward",
-                                o.strategy_options.reshard_after_forward ? "true" : "false"};
+                                o.strategy_options.reshard_after_forward ? "true" : "false",
+                                "--pool-buffers",
+                                o.strategy_options.pool_buffers ? "true" : "false"};
   if (o.strategy == "fsdp_prefetch") {  // only there: the worker refuses them for other strategies, as train does
     args.insert(args.end(), {"--prefetch-depth", std::to_string(o.strategy_options.prefetch_depth), "--prefetch-limit",
                              std::to_string(o.strategy_options.prefetch_limit)});
@@ -276,6 +284,8 @@ std::string usage() {
          "  --prefetch-depth N  fsdp_prefetch: units whose all-gather is issued ahead, in forward and in\n"
          "                      backward (0: none)                     default 1\n"
          "  --prefetch-limit K  fsdp_prefetch: most units ahead at once (0: the depth)  default 0\n"
+         "  --cpu-allocator system|pool  every CPU tensor of 1 MiB or more from a reusing pool  default system\n"
+         "  --pool-buffers true|false  FSDP: reuse the units' buffers (false: malloc/free each time)  default true\n"
          "  --threads N         compute threads per rank, libtorch's and OpenBLAS's (0: OMP_NUM_THREADS, which\n"
          "                      the launcher sets to 1 when unset) default 0\n"
          "  --device D          cpu|cuda|cuda:N; cuda = GPU LOCAL_RANK  default cpu\n"

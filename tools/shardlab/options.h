@@ -19,21 +19,23 @@ struct StrategyOptions {
   std::string reduce_dtype;           ///< --reduce-dtype (FSDP; "" = the param dtype)
   int prefetch_depth = 1;             ///< --prefetch-depth N (fsdp_prefetch): units ahead in forward and backward
   int prefetch_limit = 0;             ///< --prefetch-limit K (fsdp_prefetch): most units ahead; 0 = the depth
+  bool pool_buffers = true;           ///< --pool-buffers true|false (FSDP): reuse the units' buffers, or malloc
 };
 
 /// Everything one run needs; filled from flags by parse_options.
 struct RunOptions {
-  std::string strategy = "naive_ddp";  ///< see strategy_names()
-  int world_size = 2;                  ///< ranks (processes)
-  TrainConfig train;                   ///< model, optimizer, steps, batch, seed, micro-batches
-  std::string json;                    ///< --json FILE: write the report there ("" = none)
-  std::string result_dir;              ///< worker only: where to write this rank's results
-  int timeout_s = 600;                 ///< the launcher kills a job that runs longer
-  StrategyOptions strategy_options;    ///< bucket caps
-  std::string trace_dir;               ///< --trace DIR: one Chrome trace per rank there ("" = none)
-  int threads = 0;                     ///< --threads N: intra-op threads per rank (0 = libtorch's default)
-  std::string backend = "gloo";        ///< --backend gloo|nccl (nccl needs --device cuda)
-  bool comm_yield = true;              ///< --comm-yield on|off: progress points (Note [Yielding to communication])
+  std::string strategy = "naive_ddp";    ///< see strategy_names()
+  int world_size = 2;                    ///< ranks (processes)
+  TrainConfig train;                     ///< model, optimizer, steps, batch, seed, micro-batches
+  std::string json;                      ///< --json FILE: write the report there ("" = none)
+  std::string result_dir;                ///< worker only: where to write this rank's results
+  int timeout_s = 600;                   ///< the launcher kills a job that runs longer
+  StrategyOptions strategy_options;      ///< bucket caps
+  std::string trace_dir;                 ///< --trace DIR: one Chrome trace per rank there ("" = none)
+  int threads = 0;                       ///< --threads N: intra-op threads per rank (0 = libtorch's default)
+  std::string backend = "gloo";          ///< --backend gloo|nccl (nccl needs --device cuda)
+  std::string cpu_allocator = "system";  ///< --cpu-allocator system|pool: pool = BufferPool for every CPU tensor
+  bool comm_yield = true;                ///< --comm-yield on|off: progress points (Note [Yielding to communication])
 };
 
 /// Parses `args` (without the subcommand). `allow_strategy` is false for compare (it runs them all).

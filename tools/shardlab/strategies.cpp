@@ -338,6 +338,7 @@ Strategy overlapped_optimizer() {
 fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
   fsdp::Options o;
   o.reshard_after_forward = s.reshard_after_forward;
+  o.pool_buffers = s.pool_buffers;
   if (!s.param_dtype.empty()) o.mixed_precision.param_dtype = fsdp::parse_dtype(s.param_dtype);
   if (!s.reduce_dtype.empty()) o.mixed_precision.reduce_dtype = fsdp::parse_dtype(s.reduce_dtype);
   o.allow_unused_parameters = model == "edge";  // `sometimes` has no gradient on odd steps

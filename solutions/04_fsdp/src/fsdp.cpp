@@ -203,6 +203,9 @@ std::vector<at::Tensor> FullyShardedModel::full_parameters() {
 
 at::Tensor FullyShardedModel::loss(const Batch& batch) {
   settle_aborted_backward();
+  // A forward that threw, or one whose backward never came, may have left units gathered or all-gathers in flight
+  // (a schedule's prefetches): every rank settles them alike before any new collective.
+  reshard_all();
   forward_order_.clear();
   post_forward_order_.clear();
   if (schedule_) schedule_->begin_iteration(*this);
@@ -218,7 +221,7 @@ at::Tensor FullyShardedModel::loss(const Batch& batch) {
       if (!alive.expired()) readiness_->expect_end_of_backward();
     });
   } else {
-    for (auto& unit : units_) unit->reshard();  // no backward will come for this forward
+    reshard_all();  // no backward will come for this forward
   }
   return out;
 }
@@ -351,8 +354,22 @@ void FullyShardedModel::settle_aborted_backward() {
   if (!readiness_->forget_pending_end()) return;
   for (auto& unit : units_) unit->discard_unsharded_gradients();  // first: reductions in flight land nowhere
   wait_all(pending_);                                             // the aborted backward already reported its error
-  for (auto& unit : units_) unit->reshard();
   reset_iteration();
+  reshard_all();
+}
+
+void FullyShardedModel::reshard_all() {
+  // Every unit, also after one's all-gather failed: the others' are waited for (they write into their buffers)
+  // before the first failure is rethrown.
+  std::exception_ptr first;
+  for (auto& unit : units_) {
+    try {
+      unit->reshard();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void FullyShardedModel::reset_iteration() {

@@ -46,6 +46,10 @@ std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
 
 PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy policy)
     : policy_(std::move(policy)), limit_(in_flight_limit(policy_)) {
+  int asks = std::max(policy_.forward_depth, policy_.backward_depth);
+  for (const auto* lists : {&policy_.forward_lists, &policy_.backward_lists})
+    for (const auto& item : *lists) asks = std::max(asks, static_cast<int>(item.second.size()));
+  max_ahead_ = std::min(limit_, asks);
   const auto& units = fsdp.units();
   std::vector<std::string> names;
   names.reserve(units.size());

@@ -13,9 +13,9 @@
 // c10::Allocator::allocate is const before libtorch 2.3, non-const after, where copy_data became pure virtual.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
 #define SHARDLAB_ALLOCATE_CONST
-#define SHARDLAB_ALLOCATOR_COPY_DATA                                                          \
+#define SHARDLAB_ALLOCATOR_COPY_DATA                                                           \
   void copy_data(void* dest, const void* src, std::size_t count) const override { /* NOLINT */ \
-    default_copy_data(dest, src, count);                                                      \
+    default_copy_data(dest, src, count);                                                       \
   }
 #else
 #define SHARDLAB_ALLOCATE_CONST const
@@ -43,8 +43,9 @@ struct PoolStats {
 /// does. CPU only.
 class BufferPool final : public c10::Allocator {
  public:
-  /// A pool over `system` (the CPU allocator in force when null).
-  explicit BufferPool(c10::Allocator* system = nullptr);
+  /// A pool over `system` (the CPU allocator in force when null). Requests below `min_bytes` are not pooled: they
+  /// go to `system` and back to it.
+  explicit BufferPool(c10::Allocator* system = nullptr, size_t min_bytes = 0);
   ~BufferPool() override;
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -52,6 +53,9 @@ class BufferPool final : public c10::Allocator {
   /// A block of at least `n` bytes: a cached one when one fits (its size in [n, n + n/8]), else a new one.
   c10::DataPtr allocate(size_t n) SHARDLAB_ALLOCATE_CONST override;
   SHARDLAB_ALLOCATOR_COPY_DATA
+  /// For the process-wide pool (install_for_cpu_tensors): frees what raw_allocate gave, as c10 expects of a CPU
+  /// allocator. Null for other pools (their blocks carry their own deleter).
+  c10::DeleterFnPtr raw_deleter() const override;
 
   /// An uninitialized contiguous CPU tensor of `numel` elements of `dtype` whose storage uses this pool.
   at::Tensor empty(int64_t numel, c10::ScalarType dtype);
@@ -60,10 +64,18 @@ class BufferPool final : public c10::Allocator {
   /// Gives every cached block back to the system allocator.
   void trim();
 
+  /// Makes a process-wide pool the CPU allocator of every tensor made from now on (requests of `min_bytes` or more
+  /// are pooled; smaller ones go to the allocator that was in force), and returns it; a second call returns the
+  /// same pool. Tensors made before keep their allocator. It stays installed for the process's life. What a user
+  /// of FSDP on CPU may choose over malloc's own policy: see Note [Why FSDP pools its buffers].
+  static BufferPool& install_for_cpu_tensors(size_t min_bytes = size_t{1} << 20);
+
   struct State;  ///< shared with the blocks handed out (implementation detail)
 
  private:
   std::shared_ptr<State> state_;
+  size_t min_bytes_ = 0;
+  bool process_wide_ = false;  // blocks are found by address (raw_allocate's contract: context == data)
 };
 
 }  // namespace shardlab

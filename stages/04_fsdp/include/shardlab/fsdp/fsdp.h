@@ -223,6 +223,7 @@ class FullyShardedModel {
   void launch_ready_reductions();
   void end_of_backward();
   void settle_aborted_backward();
+  void reshard_all();
   void reset_iteration();
 
   std::shared_ptr<Model> model_;

@@ -55,8 +55,9 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   void begin_iteration(fsdp::FullyShardedModel& fsdp) override;
   /// Marks `u` used and prefetches what the policy asks for at this point (see the contract).
   void at(fsdp::SchedulePoint point, size_t u, fsdp::FullyShardedModel& fsdp) override;
-  /// in_flight_limit(policy()).
-  int max_ahead() const override { return limit_; }
+  /// The most units this schedule can hold ahead: in_flight_limit(policy()), or fewer when the policy asks for
+  /// fewer (its depths and the longest explicit list; 0 when it prefetches nothing).
+  int max_ahead() const override { return max_ahead_; }
 
   /// The units to prefetch at `point` of unit `u`, in order, before any is skipped: the unit's explicit list when
   /// the policy has one, else the next depth units after `u` in the expected forward order (kPreForward) or the
@@ -75,6 +76,7 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
  private:
   PrefetchPolicy policy_;
   int limit_ = 1;
+  int max_ahead_ = 1;                                // min(limit_, the most the policy asks for at one point)
   std::vector<std::vector<size_t>> forward_lists_;   // per unit: its explicit forward list (indices), or empty
   std::vector<std::vector<size_t>> backward_lists_;  // per unit: its explicit backward list, or empty
   std::vector<bool> has_forward_list_, has_backward_list_;
