@@ -354,8 +354,9 @@ TEST_P(PrefetchBits, ParametersAfterTrainingAreBitIdenticalWithAndWithoutPrefetc
   }
   const double ref_diff = max_abs_diff(finals[1][0], ref.params);
   std::cout << e << ": max |param - one device| = " << ref_diff << "\n";
-  if (!e.mixed)
+  if (!e.mixed) {
     EXPECT_TRUE(all_close(finals[1][0], ref.params, 1e-5, 1e-6)) << "equivalence with one device, as in stage 04";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage05, PrefetchBits,

@@ -24,8 +24,9 @@ void validate(const PrefetchPolicy& policy, const std::vector<std::string>& unit
   const std::set<std::string> known(units.begin(), units.end());
   std::string names;
   for (const auto& u : units) names += (names.empty() ? "" : ", ") + u;
-  for (const auto& [field, lists] : {std::make_pair("forward_lists", &policy.forward_lists),
-                                     std::make_pair("backward_lists", &policy.backward_lists)}) {
+  const std::pair<const char*, const std::map<std::string, std::vector<std::string>>*> fields[] = {
+      {"forward_lists", &policy.forward_lists}, {"backward_lists", &policy.backward_lists}};
+  for (const auto& [field, lists] : fields) {
     for (const auto& [owner, list] : *lists) {
       const std::string where = std::string(field) + "['" + owner + "']";
       if (!known.count(owner)) fail(where + ": expected a unit name (" + names + "); got '" + owner + "'");
