@@ -46,8 +46,8 @@ struct RunReport {
   /// (0 otherwise); the report's `buckets` must equal it once the new layout is in use.
   double auto_caps_buckets_theory = 0;
   /// Every rank's peak resident memory (bytes) over the second half of the steps, what the operating system saw:
-  /// VmHWM after resetting it (clear_refs), or the most VmRSS sampled after each step where that is refused. See
-  /// Note [Peak RSS over the steady state] in worker.cpp.
+  /// VmHWM after resetting it (clear_refs), or the most VmRSS sampled after each step where that is refused.
+  /// See Note [Peak RSS over the steady state] in worker.cpp.
   std::vector<double> peak_rss_bytes;
   bool pool_buffers = true;  ///< FSDP: --pool-buffers
 };
