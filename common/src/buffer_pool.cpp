@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -20,14 +21,16 @@
 // the parameters. Fixing the threshold (MALLOC_MMAP_THRESHOLD_) returns the memory but maps and faults every
 // buffer in again each time: the step went from 1.9 s to 6.9 s.
 // A pool keeps what FSDP's own schedule needs and nothing more: the blocks in use at the schedule's peak, reused
-// step after step, with no fault and no heap growth. Its reserved bytes are the parameter and reduce buffers'
-// peak, which is what the memory theory counts. A cached block is reused for a request of its size or up to 1/8
-// smaller (the units of a model are mostly of one size; the root differs), so the cache does not grow a block per
-// request size.
+// step after step, with no fault and no heap growth. Its reserved bytes are about the peak of the parameter
+// buffers plus the peak of the reduce buffers: blocks are cached by size, and an all-gather-sized block never
+// serves a reduce-sized request (nor the reverse). The Communicator's and the hooks' copies, which the memory
+// theory counts too, do not come from this pool. A cached block is reused for a request of its size or slightly
+// smaller, down to 8/9 of it (a block of n bytes serves requests S with S <= n <= S + S/8: the units of a model
+// are mostly of one size; the root differs), so the cache does not grow a block per request size.
 // The units' buffers are not all: autograd's gradients, the activations, the Communicator's copies and Gloo's own
 // go to malloc too. BufferPool::install_for_cpu_tensors makes a pool the allocator of every CPU tensor of 1 MiB or
-// more, as the CUDA caching allocator is for every CUDA tensor; `shardlab bench --section memory` measures it beside
-// glibc's default, its fixed mmap threshold, jemalloc and mimalloc, on resident memory and on step time.
+// more, as the CUDA caching allocator is for every CUDA tensor; `tools/bench/allocators` measures it beside glibc's
+// default, its fixed mmap threshold, jemalloc and mimalloc, on resident memory and on step time.
 
 namespace shardlab {
 
@@ -59,7 +62,9 @@ void give_back(void* ctx) {
   delete block;
 }
 
-std::shared_ptr<BufferPool::State> g_process_pool;  // install_for_cpu_tensors
+// install_for_cpu_tensors's pool's state. A plain pointer (no destructor at exit): the pool is never deleted, and
+// tensors freed during static destruction still find it.
+BufferPool::State* g_process_pool = nullptr;
 
 // The process-wide pool's deleter: the block is found by its address. An address it never handed out is one the
 // allocator beneath gave for a small request (raw_deallocate brings those here too).
@@ -146,8 +151,13 @@ BufferPool& BufferPool::install_for_cpu_tensors(size_t min_bytes) {
   static BufferPool* pool = [min_bytes] {
     auto* p = new BufferPool(c10::GetCPUAllocator(), min_bytes);  // never deleted: tensors may outlive main
     p->process_wide_ = true;
-    g_process_pool = p->state_;
+    g_process_pool = p->state_.get();
     c10::SetCPUAllocator(p, /*priority=*/50);
+    // c10 ignores an allocator of lower priority than the one set: say so instead of measuring the wrong one.
+    if (c10::GetCPUAllocator() != p)
+      throw std::runtime_error(
+          "BufferPool::install_for_cpu_tensors: c10 kept another CPU allocator (set at a priority above 50); "
+          "expected the pool to become the CPU allocator");
     return p;
   }();
   return *pool;

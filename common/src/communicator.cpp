@@ -21,7 +21,8 @@
 //  - AVG           → SUM on the wire, then the waiting thread divides by size() (floating dtypes only).
 //  - bfloat16      → the tensor is cast to float32 (exact), communicated, and cast back on wait(); the record shows
 //                    wire_dtype float32 and twice the bytes.
-//  - all_gather    → Gloo's list all-gather, writing straight into views of the flat output.
+//  - all_gather    → the ring of send/recv (CPU tensors, Note [Ring all-gather]), or Gloo's own all-gather into
+//                    views of the flat output (CUDA tensors, AllGatherAlgorithm::kBackend).
 //  - reduce_scatter→ all-reduce of a copy of the whole input, then the waiting thread copies this rank's chunk out;
 //                    the record shows wire_op all_reduce and the bytes of the whole input.
 // Everything is validated on the calling thread first: an error raised on Gloo's worker thread can terminate the
@@ -44,6 +45,20 @@
 // 4 MiB, three runs; docs/benchmark.md has the last): 2 ranks 0.13-0.95; 3 ranks 0.24-0.82, once a tie (1.00) at
 // 16 KiB; 4 ranks 0.8-1.4 at 16-64 KiB (three sequential steps on oversubscribed cores), 0.5-1.6 at 256 KiB-1 MiB
 // (noise larger than the difference), 0.67-0.76 at 4 MiB. Hence kAuto: ring_reduce_scatter_pays().
+
+// Note [Ring all-gather]
+// Gloo's all-gather gathers into a flat tensor of its own, then copies that into the outputs: while it is in flight
+// the rank holds the output twice. Its flat all-gather (`_allgather_base`, libtorch 2.x) is no better: it chunks the
+// output and runs the list all-gather. For FSDP that is one more unit's parameters at every all-gather, more than
+// the prefetch of a unit costs. The ring writes straight into the output: rank r first copies its input into row r;
+// in step s = 0 .. N-2 it sends row (r - s) mod N to rank r+1 and receives row (r - s - 1) mod N from rank r-1,
+// straight into that row. After N-1 steps every row is in, and each rank has sent (N-1)/N of the output, as any
+// all-gather must. It is built like the ring reduce-scatter (Note [Ring reduce-scatter]): c10d send/recv, tagged
+// (ring number, step) in a range of tags of its own, run in submission order by a SerialWorker of its own, so that
+// an all-gather prefetched during backward runs beside a reduce-scatter rather than behind it. Nothing is summed:
+// the result is bit for bit the backend's. AllGatherAlgorithm::kAuto takes the ring for every CPU tensor on Gloo;
+// kBackend keeps Gloo's own, for comparison (`shardlab bench --section reduce_scatter` times both). CUDA tensors
+// keep the backend's all-gather (Gloo's send/recv take host memory; NCCL writes into the output).
 
 namespace shardlab {
 namespace {
@@ -185,12 +200,24 @@ bool Communicator::has_flat_all_gather(const at::Tensor& t) const {
   return kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && t.is_cpu());
 }
 
+namespace {
+bool gather_by_ring(BackendKind kind, AllGatherAlgorithm algorithm, bool cpu) {
+  return kind == BackendKind::kGloo && cpu && algorithm != AllGatherAlgorithm::kBackend;
+}
+}  // namespace
+
+bool Communicator::all_gather_uses_ring(const at::Tensor& t) const {
+  return gather_by_ring(kind_, ag_algorithm_, t.is_cpu());
+}
+
 // Note [What the Communicator allocates]
 // Beside the caller's tensors, a collective may need private ones while it is in flight; a memory meter that
 // leaves them out reports less than the step holds. all_gather_scratch_bytes / reduce_scatter_scratch_bytes state
 // them by the same rules the collectives below follow (they are tested against a counting CPU allocator):
 //  - a dtype the backend cannot carry (bf16 on Gloo 1.13) goes as f32 copies of input and output;
-//  - the list all-gather (Gloo before 2.6) gathers into a flat tensor of its own, then copies it out;
+//  - Gloo's own all-gather (AllGatherAlgorithm::kBackend, or CUDA tensors) gathers into a flat tensor of its own,
+//    then copies it out; its flat all-gather (libtorch 2.x) is the list one inside, with the same copy. The ring
+//    all-gather and NCCL write straight into the output;
 //  - reduce_scatter on Gloo works on a copy of the whole input (the ring reduces into it; the fallback all-reduces
 //    it), and the ring receives into one more row.
 // Not counted: what a backend holds inside (Gloo's staging for its ring all-reduce and all-gather algorithms)
@@ -199,8 +226,9 @@ int64_t Communicator::all_gather_scratch_bytes(c10::ScalarType dtype, int64_t in
   const bool f32 = !reduces_natively(dtype);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(f32 ? c10::kFloat : dtype));
   int64_t bytes = f32 ? (size_ + 1) * input_numel * elem : 0;
-  const bool flat = kind_ == BackendKind::kNccl || (compat::gloo_features().flat_all_gather && device.is_cpu());
-  if (!flat) bytes += size_ * input_numel * elem;
+  // Gloo's flat all-gather (libtorch 2.x) is its list all-gather inside: the same flat copy of the output.
+  if (kind_ == BackendKind::kGloo && !gather_by_ring(kind_, ag_algorithm_, device.is_cpu()))
+    bytes += size_ * input_numel * elem;
   return bytes;
 }
 
@@ -359,6 +387,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
   opts.timeout = timeout_;
   std::function<void()> finish;
   if (bf16_fallback) finish = [output, wire_out] { output.view({-1}).copy_(wire_out); };
+  if (all_gather_uses_ring(input)) return ring_all_gather(output, wire_out, wire_in.contiguous(), input);
   if (has_flat_all_gather(input)) {
     at::Tensor in = wire_in.contiguous().view({-1});  // the backend splits the output into pieces shaped like this
     const size_t idx = record("all_gather", "all_gather", input, in, nullptr);
@@ -452,7 +481,7 @@ Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Ten
   if (!ring_) ring_ = std::make_unique<detail::SerialWorker>();
   const uint64_t sequence = ring_sequence_++;
   ring_->submit([backend = backend_, issuing = issuing_, task_work, work, n, rank = rank_, size = size_, sequence,
-                 timeout = timeout_] {
+                 timeout = timeout_]() mutable {
     try {
       at::Tensor incoming = at::empty({n}, work.options());
       const int right = (rank + 1) % size, left = (rank + size - 1) % size;
@@ -480,12 +509,69 @@ Handle Communicator::ring_reduce_scatter(const at::Tensor& output, const at::Ten
         if (failed) std::rethrow_exception(failed);
         work[recv_chunk].add_(incoming);
       }
+      incoming = at::Tensor();  // before complete(): what the caller frees after its wait is free at once
+      work = at::Tensor();
       task_work->complete(nullptr);
     } catch (...) {
+      work = at::Tensor();
       task_work->complete(std::current_exception());
     }
   });
   return submit(task_work, idx, std::move(finish), "reduce_scatter", /*on_cpu=*/true);
+}
+
+Handle Communicator::ring_all_gather(const at::Tensor& output, const at::Tensor& wire_out, const at::Tensor& wire_in,
+                                     const at::Tensor& input) {
+  // See Note [Ring all-gather]. wire_out is the output itself, or its f32 copy where Gloo cannot carry the dtype.
+  if (size_ > 4096) throw std::invalid_argument("all_gather: the ring supports up to 4096 ranks");
+  at::Tensor rows = wire_out.view({size_, -1});
+  rows[rank_].copy_(wire_in.view({-1}));
+  const size_t idx = record("all_gather", "all_gather(ring)", input, wire_in, nullptr);
+  std::function<void()> finish;
+  if (!wire_out.is_same(output) && !wire_out.is_alias_of(output))
+    finish = [output, wire_out] { output.view({-1}).copy_(wire_out); };
+  if (size_ == 1) {
+    recorder_->finish(idx);
+    return Handle(c10::intrusive_ptr<compat::Work>(), std::move(finish), "all_gather", timeout_);
+  }
+  auto task_work = c10::make_intrusive<detail::TaskWork>();
+  if (!ag_ring_) ag_ring_ = std::make_unique<detail::SerialWorker>();
+  const uint64_t sequence = ag_ring_sequence_++;
+  ag_ring_->submit([backend = backend_, issuing = issuing_, task_work, rows, rank = rank_, size = size_, sequence,
+                    timeout = timeout_]() mutable {
+    try {
+      const int right = (rank + 1) % size, left = (rank + size - 1) % size;
+      for (int step = 0; step + 1 < size; ++step) {
+        const int send_row = ((rank - step) % size + size) % size;
+        const int recv_row = ((rank - step - 1) % size + size) % size;
+        // Tags from 2^30 up: the ring reduce-scatters' (below 2^30) never meet them.
+        const int tag = static_cast<int>((uint64_t{1} << 30) + (sequence % (uint64_t{1} << 18)) * 4096 +
+                                         static_cast<uint64_t>(step));
+        std::vector<at::Tensor> out{rows[send_row]}, in{rows[recv_row]};
+        c10::intrusive_ptr<compat::Work> sending, receiving;
+        {
+          std::lock_guard<std::mutex> lock(*issuing);  // c10d's backends expect one issuing thread at a time
+          sending = backend->send(out, right, tag);
+          receiving = backend->recv(in, left, tag);
+        }
+        std::exception_ptr failed;  // wait for both even when one fails: their buffers must outlive them
+        for (auto* w : {&receiving, &sending}) {
+          try {
+            if (!(*w)->wait(timeout)) throw std::runtime_error("the backend reported failure");
+          } catch (...) {
+            if (!failed) failed = std::current_exception();
+          }
+        }
+        if (failed) std::rethrow_exception(failed);
+      }
+      rows = at::Tensor();  // before complete(): a waiter that drops the output returns its storage at once
+      task_work->complete(nullptr);
+    } catch (...) {
+      rows = at::Tensor();
+      task_work->complete(std::current_exception());
+    }
+  });
+  return submit(task_work, idx, std::move(finish), "all_gather", /*on_cpu=*/true);
 }
 
 void Communicator::barrier() {

@@ -157,6 +157,7 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
         const at::Tensor like = at::empty({0}, on_device(at::kFloat));
         EXPECT_EQ(c.has_reduce_scatter(), nccl);
         EXPECT_EQ(c.has_flat_all_gather(like), nccl || (kGlooBf16AndFlatAllGather && device_.is_cpu()));
+        EXPECT_EQ(c.all_gather_uses_ring(like), !nccl && device_.is_cpu()) << "kAuto: the ring for CPU tensors on Gloo";
         int seen = 0;
         for (const auto& r : c.recorder().snapshot()) {
           const bool native = nccl || r.dtype != at::kBFloat16 || kGlooBf16AndFlatAllGather;
@@ -169,7 +170,9 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
             ++seen;
           }
           if (r.op == "all_gather") {
-            EXPECT_EQ(r.wire_op, c.has_flat_all_gather(like) ? "all_gather" : "all_gather(list)");
+            EXPECT_EQ(r.wire_op, c.all_gather_uses_ring(like)  ? "all_gather(ring)"
+                                 : c.has_flat_all_gather(like) ? "all_gather"
+                                                               : "all_gather(list)");
             EXPECT_TRUE(r.numel == 3 || r.numel == 6) << r.numel;
             EXPECT_EQ(r.bytes, r.numel * wire_size);
             ++seen;
@@ -181,8 +184,11 @@ TEST_P(CollectivesByWorld, BroadcastAllGatherReduceScatter) {
                     << (c.has_reduce_scatter() ? "native"
                         : ring                 ? "ring"
                                                : "as all_reduce")
-                    << ", all_gather " << (c.has_flat_all_gather(like) ? "flat" : "list") << ", bf16 "
-                    << (c.reduces_natively(at::kBFloat16) ? "native" : "as f32") << "\n";
+                    << ", all_gather "
+                    << (c.all_gather_uses_ring(like)  ? "ring"
+                        : c.has_flat_all_gather(like) ? "flat"
+                                                      : "list")
+                    << ", bf16 " << (c.reduces_natively(at::kBFloat16) ? "native" : "as f32") << "\n";
       },
       options_);
 }
@@ -258,6 +264,66 @@ TEST(Collectives, RingReduceScattersInFlightTogetherKeepTheirMessagesApart) {
         for (auto& h : handles) h.wait();
         for (int i = 0; i < 6; ++i)
           EXPECT_TRUE(outs[i].eq(300.0 * i + 3).all().item<bool>()) << "reduce-scatter " << i << ": " << outs[i];
+      },
+      test_group());
+}
+
+// The ring all-gather (Note [Ring all-gather]) against the backend's own, at world sizes 1-5, odd, tiny and large
+// inputs, and every dtype Gloo carries (bf16 as f32 on 1.13): nothing is summed, so bit for bit. The record says
+// which ran, with the input's bytes (the convention of every all-gather record).
+TEST(Collectives, RingAllGatherEqualsTheBackendsAllGatherBitForBit) {
+  for (int world = 1; world <= 5; ++world) {
+    run_ranks(
+        world,
+        [&](Communicator& c) {
+          for (int64_t n : {1, 7, 1001}) {
+            for (auto dt : {at::kFloat, at::kDouble, at::kLong, at::kBFloat16, at::kHalf}) {
+              at::Tensor input = (at::randn({n}) * 100 + c.rank()).to(dt);
+              at::Tensor ring_out = at::full({world * n}, -1, input.options());
+              at::Tensor own_out = at::full({world * n}, -2, input.options());
+              const size_t mark = c.recorder().size();
+              c.set_all_gather_algorithm(AllGatherAlgorithm::kRing);
+              c.all_gather(ring_out, input).wait();
+              c.set_all_gather_algorithm(AllGatherAlgorithm::kBackend);
+              c.all_gather(own_out, input).wait();
+              EXPECT_TRUE(at::equal(ring_out, own_out)) << "world " << world << " n " << n << " " << dt;
+              EXPECT_TRUE(at::equal(ring_out.view({world, n})[c.rank()], input)) << "row rank() is the input";
+              const auto recs = c.recorder().since(mark);
+              ASSERT_EQ(recs.size(), 2u);
+              EXPECT_EQ(recs[0].wire_op, "all_gather(ring)");
+              EXPECT_EQ(recs[0].bytes, recs[1].bytes) << "the input's bytes on the wire dtype, either way";
+              EXPECT_NE(recs[1].wire_op, "all_gather(ring)");
+            }
+          }
+          if (c.rank() == 0) std::cout << "world " << world << ": ring all-gather == the backend's\n";
+        },
+        test_group());
+  }
+}
+
+// What FSDP does during backward: a ring all-gather (the next unit's prefetch) in flight beside ring
+// reduce-scatters, several of each. Each gets its own result: their tags are apart, and neither waits for the other's
+// worker.
+TEST(Collectives, RingAllGathersAndReduceScattersInFlightTogetherKeepTheirMessagesApart) {
+  run_ranks(
+      3,
+      [&](Communicator& c) {
+        c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+        c.set_all_gather_algorithm(AllGatherAlgorithm::kRing);
+        std::vector<at::Tensor> gathered, reduced;
+        std::vector<Handle> handles;
+        for (int i = 0; i < 6; ++i) {
+          gathered.push_back(at::empty({3 * (i + 1)}));
+          handles.push_back(c.all_gather(gathered.back(), at::full({i + 1}, static_cast<double>(10 * i + c.rank()))));
+          reduced.push_back(at::empty({i + 1}));
+          handles.push_back(c.reduce_scatter(reduced.back(), at::full({3 * (i + 1)}, static_cast<double>(c.rank()))));
+        }
+        for (auto& h : handles) h.wait();
+        for (int i = 0; i < 6; ++i) {
+          at::Tensor expect = at::arange(3, at::kFloat).add(10.0 * i).repeat_interleave(i + 1);
+          EXPECT_TRUE(at::equal(gathered[i], expect)) << "all-gather " << i << ": " << gathered[i];
+          EXPECT_TRUE(reduced[i].eq(3.0).all().item<bool>()) << "reduce-scatter " << i << ": " << reduced[i];
+        }
       },
       test_group());
 }

@@ -8,6 +8,7 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/counting_allocator.h"
 #include "support/device.h"
 #include "support/group.h"
 #include "support/train_replica.h"
@@ -473,6 +474,37 @@ TEST(LowPrecisionHooks, CastBackIntoTheGradientsDtype) {
         }
       },
       test_group());
+}
+
+// What the reduce-scatter form holds beyond its grad and output is what reduce_scatter_scratch_bytes states (FSDP's
+// memory meter adds it), measured with a counting CPU allocator. One rank: nothing else allocates meanwhile, so the
+// rise must equal the statement to the byte. A gradient already in the hook's dtype needs no cast, but the reduced
+// chunk in that dtype is still made.
+TEST(HookScratch, TheReduceScatterFormAllocatesExactlyWhatItStates) {
+  static auto* counting = new test_support::CountingCpuAllocator();  // outlives every block it counted
+  constexpr int64_t kNumel = 4096;
+  for (const std::string name : {"reduce_scatter", "fp16", "bf16"}) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      test_support::CountingCpuAllocator::Install install(*counting);
+      run_ranks(
+          1,
+          [&](Communicator& comm) {
+            CommHook hook = make_hook(name, comm);
+            at::Tensor grad = at::ones({kNumel}, at::TensorOptions().dtype(dtype));
+            at::Tensor output = at::empty({kNumel}, grad.options());
+            const int64_t stated = reduce_scatter_scratch_bytes(hook, dtype, kNumel, grad.device());
+            counting->reset_peak();
+            const int64_t before = counting->live();
+            hook(grad, output).wait();
+            const int64_t rise = counting->peak() - before;
+            std::cout << name << " on " << c10::toString(dtype) << ": stated " << stated << " bytes, allocated " << rise
+                      << "\n";
+            EXPECT_EQ(rise, stated) << name << " on " << c10::toString(dtype);
+            EXPECT_TRUE(output.eq(1).all().item<bool>()) << "one rank: the sum is the gradient";
+          },
+          test_group());
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

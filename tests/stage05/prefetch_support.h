@@ -37,14 +37,21 @@ class Chain : public Model {
       blocks_.push_back(register_unit("block" + std::to_string(i), std::make_shared<ChainBlockImpl>(dim)));
     init_parameters(*this, 7);
   }
+  /// Runs the blocks in `order` from the next forward on (a block left out gets no gradient in that step).
+  void set_run_order(std::vector<size_t> order) { run_order_ = std::move(order); }
+  /// Runs block `b` first, on the raw input (which needs no gradient), before the input layer; it must not be in the
+  /// run order, and the chain's width must be the input's (16).
+  void set_first_on_input(size_t b) { first_on_input_ = static_cast<int64_t>(b); }
   at::Tensor loss(const Batch& batch) override {
-    at::Tensor x = in_->forward(batch.input);
+    at::Tensor x = first_on_input_ < 0 ? batch.input : blocks_[static_cast<size_t>(first_on_input_)](batch.input);
+    x = in_->forward(x);
     for (size_t i : run_order_) x = blocks_[i](x);
     return at::cross_entropy_loss(out_->forward(x), batch.target);
   }
 
  private:
   std::vector<size_t> run_order_;
+  int64_t first_on_input_ = -1;
   torch::nn::Linear in_, out_;
   std::vector<UnitRef<ChainBlockImpl>> blocks_;
 };

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <iostream>
 #include <map>
 #include <set>
@@ -83,6 +84,7 @@ class Spy : public fsdp::UnshardSchedule {
     }
     inner_->at(point, u, f);
   }
+  void end_forward(FullyShardedModel& f) override { inner_->end_forward(f); }
   int max_ahead() const override { return inner_->max_ahead(); }
   std::vector<size_t> pre_backward;
   std::vector<std::vector<size_t>> orders_seen;
@@ -107,6 +109,45 @@ TEST(PrefetchOrders, BackwardMeetsTheUnitsInReversePostForwardOrderRootFirst) {
         EXPECT_EQ(spy->pre_backward, expected)
             << "the pre-backward hooks fired in " << joined(names_of(fsdp, spy->pre_backward));
         for (const auto& seen : spy->orders_seen) EXPECT_EQ(seen, expected) << "the order is stable in backward";
+      },
+      test_group());
+}
+
+// A frozen block on the raw input makes an output that needs no gradient: no pre-backward hook, never met in
+// backward. The backward order leaves it out; depth 1 then gathers in backward exactly what stage 04 gathers, one
+// all-gather per block met, and never the frozen one.
+TEST(PrefetchOrders, AUnitWhoseOutputNeedsNoGradientIsNotInTheBackwardOrder) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3}, /*dim=*/16);
+        model->set_run_order({0, 1, 3});
+        model->set_first_on_input(2);
+        int frozen = 0;
+        for (auto& item : model->named_parameters())
+          if (item.key().rfind("block2.", 0) == 0) {
+            item.value().requires_grad_(false);
+            ++frozen;
+          }
+        ASSERT_EQ(frozen, 2) << "block2's weight and bias";
+        FullyShardedModel fsdp(model, comm);
+        auto schedule = enable_prefetch(fsdp, PrefetchPolicy{});
+        UnitLog log(fsdp);
+        at::Tensor loss = fsdp.loss(chain_batch(0, comm));
+        log.take();
+        const size_t root = fsdp.root_index();
+        EXPECT_FALSE(fsdp.awaits_backward(2)) << "block2's output needs no gradient";
+        EXPECT_EQ(backward_order(fsdp), (std::vector<size_t>{root, 3, 1, 0}))
+            << "got " << joined(names_of(fsdp, backward_order(fsdp)));
+        const size_t mark = comm.recorder().size();
+        loss.backward();
+        const Seq backward = log.take();
+        if (comm.rank() == 0) std::cout << "backward: " << joined(backward) << "\n";
+        EXPECT_EQ(std::count(backward.begin(), backward.end(), "U block2"), 0)
+            << "block2 gathered in backward: " << joined(backward);
+        int gathers = 0;
+        for (const auto& r : comm.recorder().since(mark)) gathers += r.op == "all_gather" ? 1 : 0;
+        EXPECT_EQ(gathers, 3) << "one all-gather per block met in backward (block3, block1, block0)";
       },
       test_group());
 }
@@ -304,6 +345,45 @@ TEST_P(PrefetchLimit, HoldsAtEveryEventWithTheSameCollectivesOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage05, PrefetchLimit, ::testing::Values(1, 2));
+
+// The expected order is the last forward's; when the model then skips a block, the prefetch at the block before it
+// was for nothing. The end of the forward cancels it: its buffer is freed there, and it no longer holds the one
+// place under the limit, so backward still prefetches. Without the cancel, block2 stays in flight until the next
+// loss() and every backward prefetch of this step is skipped for the limit.
+TEST(PrefetchMispredicted, AUnitTheForwardSkippedIsCancelledAtItsEndAndBackwardStillPrefetches) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3});
+        fsdp::Options options;
+        options.allow_unused_parameters = true;  // block2 gets no gradient in the second step
+        FullyShardedModel fsdp(model, comm, options);
+        auto schedule = enable_prefetch(fsdp, PrefetchPolicy{});  // depth 1, limit 1
+        UnitLog log(fsdp);
+        fsdp.loss(chain_batch(0, comm)).backward();
+        log.take();
+        model->set_run_order({0, 1, 3});
+        at::Tensor loss = fsdp.loss(chain_batch(1, comm));
+        const Seq forward = log.take();
+        EXPECT_TRUE(schedule->ahead().empty())
+            << "still ahead after the forward: " << joined(names_of(fsdp, schedule->ahead()));
+        EXPECT_EQ(fsdp.units()[2]->state(), UnitState::kSharded) << "block2's all-gather buffer is freed";
+        EXPECT_EQ(fsdp.units()[2]->all_gather_bytes_held(), 0);
+        loss.backward();
+        const Seq backward = log.take();
+        if (comm.rank() == 0)
+          std::cout << "forward:  " << joined(forward) << "\nbackward: " << joined(backward) << "\n";
+        EXPECT_EQ(forward, (Seq{"U root", "U block0", "U block1", "R block0", "U block2", "R block1", "U block3",
+                                "R block3", "R block2"}))
+            << "block2 prefetched by block1 (the last order), cancelled at the end; was: " << joined(forward);
+        EXPECT_EQ(backward, (Seq{"U block3", "U block1", "R block3", "U block0", "R block1", "R block0", "R root"}))
+            << "each block's all-gather issued by the unit before it in backward; was: " << joined(backward);
+        EXPECT_EQ(schedule->cancelled(), 1u);
+        EXPECT_EQ(fsdp.memory().param_bytes, fsdp.memory_theory().sharded_param_bytes)
+            << "after the step only the shards are held";
+      },
+      test_group());
+}
 
 // ---- The whole: the same bits, and the overlap as an order of events -----------------------------------------
 

@@ -228,12 +228,15 @@ int run_bench(const std::vector<std::string>& args, const std::string& self_exe)
   std::string rs_md, rs_json;
   if (b.rs_section) {
     const RsBenchResult r = run_rs_bench(b.fsdp.run, b.repeat, self_exe);
-    std::cout << "\nshardlab bench, reduce-scatter: " << r.heading << "\n\n" << r.markdown << "\n" << r.targets;
-    rs_md = "## The ring reduce-scatter beside the all-reduce fallback\n\n" + r.heading + ".\n\n" + r.markdown + "\n" +
-            r.targets +
+    std::cout << "\nshardlab bench, the rings (reduce-scatter, all-gather): " << r.heading << "\n\n"
+              << r.markdown << "\n"
+              << r.targets;
+    rs_md = "## The rings: reduce-scatter beside the all-reduce fallback, all-gather beside the backend's\n\n" +
+            r.heading + ".\n\n" + r.markdown + "\n" + r.targets +
             "\nGloo has no reduce-scatter: the fallback (what PyTorch's FSDP gets on Gloo) all-reduces the whole "
-            "input; the ring is c10d send/recv (Note [Ring reduce-scatter]). FSDP's units use whichever `auto` "
-            "picks.\n";
+            "input; the ring is c10d send/recv (Note [Ring reduce-scatter]). Gloo 1.13's list all-gather fills a "
+            "flat output of its own and copies it out; the ring all-gather receives straight into the output (Note "
+            "[Ring all-gather]). FSDP's units use whichever `auto` picks.\n";
     rs_json = r.json;
   }
   if (!b.out.empty()) {

@@ -1,7 +1,8 @@
 // `shardlab bench --section reduce_scatter`: the ring reduce-scatter built on c10d's send/recv (Note [Ring
 // reduce-scatter] in common/src/communicator.cpp) against the all-reduce fallback that Gloo users get (PyTorch's
 // FSDP on Gloo included), as real processes, at the sizes FSDP reduce-scatters; and whether kAuto's rule
-// (ring_reduce_scatter_pays) picks the faster one at each size.
+// (ring_reduce_scatter_pays) picks the faster one at each size. Also the ring all-gather (Note [Ring all-gather])
+// against the backend's own (Gloo 1.13: the list all-gather, with its private copy of the output).
 #include "bench.h"
 
 #include "shardlab/common/communicator.h"
@@ -72,9 +73,28 @@ int run_rs_probe(const std::vector<std::string>& args) {
         sent[a] = r.wire_op == "reduce_scatter(ring)" ? r.bytes : 2 * (world - 1) * r.bytes / world;
       }
     }
+    // The all-gather of the same output size: the ring against the backend's own, interleaved the same way.
+    at::Tensor shard = at::rand({numel / world});
+    at::Tensor gathered = at::empty({numel});
+    double ag_best[2] = {1e30, 1e30};
+    for (int round = 0; round < rounds; ++round) {
+      for (int a = 0; a < 2; ++a) {
+        comm->set_all_gather_algorithm(a == 0 ? AllGatherAlgorithm::kRing : AllGatherAlgorithm::kBackend);
+        for (int w = 0; w < 3; ++w) comm->all_gather(gathered, shard).wait();
+        comm->barrier();
+        const auto start = std::chrono::steady_clock::now();
+        for (int c = 0; c < kCalls; ++c) comm->all_gather(gathered, shard).wait();
+        ag_best[a] = std::min(
+            ag_best[a],
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / kCalls);
+      }
+    }
+    // kBackend is in force here: the copy the backend's own all-gather makes (the ring makes none).
+    const int64_t ag_copy = comm->all_gather_scratch_bytes(c10::kFloat, numel / world, c10::Device(c10::kCPU));
     json << (s ? ", " : "") << "{\"bytes\": " << numel * 4 << ", \"ring_ms\": " << best[0]
          << ", \"all_reduce_ms\": " << best[1] << ", \"ring_sent\": " << sent[0] << ", \"all_reduce_sent\": " << sent[1]
-         << "}";
+         << ", \"ag_ring_ms\": " << ag_best[0] << ", \"ag_backend_ms\": " << ag_best[1]
+         << ", \"ag_backend_copy\": " << ag_copy << "}";
   }
   json << "]}\n";
   comm->barrier();
@@ -93,7 +113,10 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
       fs::remove_all(dir, ignored);
     }
   } remove_at_exit{dir};
-  std::ostringstream md, targets, json;
+  std::ostringstream md, ag_md, targets, json;
+  ag_md << "| ranks | output KiB | ring ms | backend's ms | ring / backend's | copy beside the output: ring | "
+           "backend's |\n|---|---|---|---|---|---|---|\n";
+  double ag_worst = 0, ag_best_ratio = 1e30;
   md << "| ranks | input KiB | ring ms | all-reduce ms | ring / all-reduce | sent by ring | sent by all-reduce | "
         "auto picks | faster |\n|---|---|---|---|---|---|---|---|---|\n";
   json << "[";
@@ -128,6 +151,13 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
          << " | " << std::setprecision(0) << json_number(one, "ring_sent") << " | "
          << json_number(one, "all_reduce_sent") << " | " << (auto_ring ? "ring" : "all-reduce") << " | "
          << (ring_faster ? "ring" : "all-reduce") << " |\n";
+      const double ag_ring = json_number(one, "ag_ring_ms"), ag_backend = json_number(one, "ag_backend_ms");
+      ag_worst = std::max(ag_worst, ag_ring / ag_backend);
+      ag_best_ratio = std::min(ag_best_ratio, ag_ring / ag_backend);
+      ag_md << "| " << world << " | " << std::fixed << std::setprecision(0) << bytes / 1024 << " | "
+            << std::setprecision(3) << ag_ring << " | " << ag_backend << " | " << std::setprecision(2)
+            << ag_ring / ag_backend << " | 0 | " << std::setprecision(0) << json_number(one, "ag_backend_copy")
+            << " |\n";
     }
   }
   json << "]";
@@ -139,10 +169,13 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
   if (wrong > 0)
     targets << "; where it did not, the one it picked was at most " << std::fixed << std::setprecision(2) << worst
             << "x the faster";
-  targets << "\n";
+  targets << "\n- the ring all-gather (kAuto on Gloo without a flat all-gather) took " << std::fixed
+          << std::setprecision(2) << ag_best_ratio << "-" << ag_worst
+          << "x the backend's time, with no copy of the output beside it\n";
   result.heading = "Gloo on CPU, processes, float32; each figure the best over " + std::to_string(repeat) +
                    " rounds of the mean of " + std::to_string(kCalls) + " back-to-back calls";
-  result.markdown = md.str();
+  result.markdown =
+      md.str() + "\nThe ring all-gather beside the backend's own, the same sizes as outputs:\n\n" + ag_md.str();
   result.targets = targets.str();
   result.json = json.str();
   return result;

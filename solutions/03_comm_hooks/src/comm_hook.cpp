@@ -163,11 +163,14 @@ int64_t reduce_scatter_scratch_bytes(const CommHook& hook, c10::ScalarType dtype
   SHARDLAB_INTERNAL_ASSERT(hook.state && hook.state->comm, "reduce_scatter_scratch_bytes: hook '" + hook.name +
                                                                "' has no state bound to a Communicator");
   const Communicator& comm = *hook.state->comm;
-  c10::ScalarType wire = dtype;
-  if (hook.fn == &fp16_compress_hook) wire = at::kHalf;
-  if (hook.fn == &bf16_compress_hook) wire = at::kBFloat16;
-  const int64_t copies =
-      wire == dtype ? 0 : (grad_numel + grad_numel / comm.size()) * static_cast<int64_t>(c10::elementSize(wire));
+  const bool compresses = hook.fn == &fp16_compress_hook || hook.fn == &bf16_compress_hook;
+  const c10::ScalarType wire = hook.fn == &fp16_compress_hook   ? at::kHalf
+                               : hook.fn == &bf16_compress_hook ? at::kBFloat16
+                                                                : dtype;
+  const auto elem = static_cast<int64_t>(c10::elementSize(wire));
+  // The compressing hooks: the cast of the gradient (none when it already has the wire dtype; it is freed once the
+  // reduce-scatter has its own copy, counted here for the whole flight: an upper bound) and the reduced chunk.
+  const int64_t copies = compresses ? (wire == dtype ? 0 : grad_numel * elem) + grad_numel / comm.size() * elem : 0;
   return copies + comm.reduce_scatter_scratch_bytes(wire, grad_numel, device);
 }
 

@@ -208,6 +208,7 @@ at::Tensor FullyShardedModel::loss(const Batch& batch) {
   reshard_all();
   forward_order_.clear();
   post_forward_order_.clear();
+  awaits_backward_.assign(units_.size(), false);
   if (schedule_) schedule_->begin_iteration(*this);
   const bool training = at::GradMode::is_enabled();
   const size_t root = units_.size() - 1;
@@ -215,6 +216,7 @@ at::Tensor FullyShardedModel::loss(const Batch& batch) {
   at::Tensor out = model_->loss(batch);
   if (has_root_) post_forward(root, out);
   last_forward_order_ = forward_order_;
+  if (schedule_) schedule_->end_forward(*this);
   if (training && out.requires_grad()) {
     std::weak_ptr<int> alive = alive_;
     out.register_hook([this, alive](const at::Tensor&) {
@@ -248,6 +250,7 @@ void FullyShardedModel::post_forward(size_t u, const at::Tensor& output) {
   }
   // END SOLUTION
   post_forward_order_.push_back(u);
+  awaits_backward_[u] = at::GradMode::is_enabled() && output.defined() && output.requires_grad();
   consult_schedule(SchedulePoint::kPostForward, u);
 }
 
@@ -268,6 +271,16 @@ void FullyShardedModel::begin_unshard(size_t u) {
     throw std::invalid_argument("FullyShardedModel::begin_unshard: expected a unit index below " +
                                 std::to_string(units_.size()) + "; got " + std::to_string(u));
   units_[u]->begin_unshard();
+}
+
+void FullyShardedModel::cancel_unshard(size_t u) {
+  if (u >= units_.size())
+    throw std::invalid_argument("FullyShardedModel::cancel_unshard: expected a unit index below " +
+                                std::to_string(units_.size()) + "; got " + std::to_string(u));
+  if (std::find(forward_order_.begin(), forward_order_.end(), u) != forward_order_.end())
+    throw std::logic_error("FullyShardedModel::cancel_unshard: unit '" + units_[u]->name() +
+                           "' ran its forward in this iteration; expected a unit whose use did not come");
+  units_[u]->reshard();
 }
 
 void FullyShardedModel::wait_for_reduce(Handle& reduce) {
@@ -470,11 +483,16 @@ int64_t FullyShardedModel::gradient_peak(bool accumulating) const {
   };
   for (const auto& unit : units_) held += kept(*unit);
   if (has_root_) held += incoming(*units_.back());  // the root's: counted from the start (an upper bound)
+  // The backward reduces in reverse forward order, then (at its end, as zeros) the trainable units the forward
+  // did not run: launch_ready_reductions' order.
+  std::vector<size_t> walk(order.rbegin(), order.rend());
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (std::find(order.begin(), order.end(), u) == order.end()) walk.push_back(u);
   int64_t peak = held, in_flight = 0;
-  for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    const FsdpUnit& unit = *units_[*it];
+  for (size_t u : walk) {
+    const FsdpUnit& unit = *units_[u];
     if (unit.trainable_count() == 0) continue;
-    const bool is_root = has_root_ && *it + 1 == units_.size();
+    const bool is_root = has_root_ && u + 1 == units_.size();
     const int64_t grads = is_root ? 0 : incoming(unit);  // the root's are in `held`
     peak = std::max({peak, held + in_flight + grads, held + grads + unit.reduce_bytes()});
     held -= kept(unit);  // laid out into the reduce-scatter input, then freed

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <stdexcept>
 
@@ -140,6 +141,11 @@ FsdpUnit::~FsdpUnit() {
     all_gather_.wait();  // it writes into our buffers
   } catch (...) {        // a destructor must not throw; finish_unshard reported (or will report) the error
   }
+  // The registered parameters alias the gathered buffer and may outlive this unit and its pool (the model is the
+  // user's): a later regrow or resize must not reach a pool that is gone. A block the storage holds now goes back
+  // to the pool's state, which outlives its blocks.
+  if (pool_ != nullptr && gathered_.defined() && gathered_.is_cpu())
+    gathered_.storage().unsafeGetStorageImpl()->set_allocator(c10::GetCPUAllocator());
 }
 
 bool FsdpUnit::has_frozen() const {

@@ -12,7 +12,9 @@
 // therefore the order their pre-backward hooks fire. The pre-forward order would be wrong for a unit whose forward
 // encloses others: the root's forward is the whole loss(), so it begins first but returns last, and its hook (on
 // the loss) is the first of the backward. That is why the backward prefetches from the root to the last block,
-// then block by block towards the first: FSDP2's post_forward_order, walked backwards.
+// then block by block towards the first: FSDP2's post_forward_order, walked backwards. A unit whose output needs no
+// gradient (frozen, on inputs that need none) registered no hook and is never met in backward
+// (FullyShardedModel::awaits_backward): it is left out, or its prefetch would be an all-gather stage 04 never makes.
 //
 // Note [Prefetching only what every rank prefetches]
 // A prefetch is an all-gather: every rank of the group must issue it, in the same place of its sequence of
@@ -46,10 +48,12 @@ std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
 
 PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy policy)
     : policy_(std::move(policy)), limit_(in_flight_limit(policy_)) {
-  int asks = std::max(policy_.forward_depth, policy_.backward_depth);
-  for (const auto* lists : {&policy_.forward_lists, &policy_.backward_lists})
-    for (const auto& item : *lists) asks = std::max(asks, static_cast<int>(item.second.size()));
-  max_ahead_ = std::min(limit_, asks);
+  // Only the limit bounds what is ahead: explicit lists may name units far ahead, and even with depths alone a
+  // forward that runs its units in another order than expected (or a unit that never meets its backward) leaves
+  // earlier prefetches ahead while later points add theirs. A policy that never prefetches holds nothing ahead.
+  const bool asks = policy_.forward_depth > 0 || policy_.backward_depth > 0 || !policy_.forward_lists.empty() ||
+                    !policy_.backward_lists.empty();
+  max_ahead_ = asks ? limit_ : 0;
   const auto& units = fsdp.units();
   std::vector<std::string> names;
   names.reserve(units.size());
@@ -92,6 +96,11 @@ void PrefetchSchedule::at(SchedulePoint point, size_t u, FullyShardedModel& fsdp
   std::vector<bool>& used = point == SchedulePoint::kPreForward ? used_forward_ : used_backward_;
   // TODO(stage05): u is used now; prefetch its targets, skipping no-ops, within the limit (Note [The limit ...])
   throw ::shardlab::NotImplemented("05", "u is used now; prefetch its targets, skipping no-ops, within the limit (Note [The limit ...])");
+}
+
+void PrefetchSchedule::end_forward(FullyShardedModel& fsdp) {
+  // TODO(stage05): what is still ahead was not run by this forward and will not run in its backward: cancel it
+  throw ::shardlab::NotImplemented("05", "what is still ahead was not run by this forward and will not run in its backward: cancel it");
 }
 
 std::shared_ptr<PrefetchSchedule> enable_prefetch(FullyShardedModel& fsdp, PrefetchPolicy policy) {

@@ -53,6 +53,15 @@ enum class ReduceScatterAlgorithm {
 /// communicator.cpp.
 bool ring_reduce_scatter_pays(int world_size, int64_t input_bytes);
 
+/// How all_gather runs on Gloo with CPU tensors. See Note [Ring all-gather] in communicator.cpp.
+enum class AllGatherAlgorithm {
+  kAuto,     ///< the ring (Gloo's own all-gather, flat or list, fills a flat output of its own first)
+  kRing,     ///< N-1 steps of send/recv around a ring, each received straight into the output: no copy beside it
+  kBackend,  ///< the backend's own: its flat all-gather where it has one (Gloo from libtorch 2.x: the list one
+             ///< inside), else its list all-gather; Gloo gathers into a flat output of its own and copies it out,
+             ///< one more output's bytes while in flight
+};
+
 namespace detail {
 class SerialWorker;
 }  // namespace detail
@@ -139,15 +148,19 @@ class Communicator {
   /// whether a low-precision all-reduce really halves the bytes.
   bool reduces_natively(c10::ScalarType dtype) const;
   /// True when all_gather of tensors like `t` is the backend's own flat all-gather; false when it goes through the
-  /// list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
+  /// ring or the list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
   bool has_flat_all_gather(const at::Tensor& t) const;
+  /// True when all_gather of tensors like `t` runs as the ring of send/recv (wire_op "all_gather(ring)"): Gloo, CPU
+  /// tensors, and all_gather_algorithm() other than kBackend.
+  bool all_gather_uses_ring(const at::Tensor& t) const;
   /// True when reduce_scatter is the backend's own (NCCL); false when the Communicator builds it (Gloo): as a ring
   /// of send/recv for CPU tensors (wire_op "reduce_scatter(ring)", (N-1)/N of the input sent), or as an all-reduce
   /// of the whole input (wire_op "all_reduce"; CUDA tensors, or when reduce_scatter_algorithm() says so).
   bool has_reduce_scatter() const;
   /// Bytes all_gather holds privately, beyond the caller's tensors, while a gather of `input_numel` elements of
   /// `dtype` on `device` is in flight: the f32 copies of input and output where the backend cannot carry the dtype,
-  /// and the flat output the backend's list all-gather fills before copying it out (Gloo before libtorch 2.6).
+  /// and the flat output Gloo's own all-gather fills before copying it out (all_gather_algorithm() kBackend, or CUDA
+  /// tensors on Gloo; the ring and NCCL write straight into the output).
   /// Memory meters add it (see Note [What the Communicator allocates]).
   int64_t all_gather_scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const;
   /// Bytes reduce_scatter holds privately while one of `input_numel` elements of `dtype` on `device` is in flight:
@@ -158,6 +171,10 @@ class Communicator {
   ReduceScatterAlgorithm reduce_scatter_algorithm() const { return rs_algorithm_; }
   /// Chooses it. Every rank of the group must choose the same, before the collectives it affects.
   void set_reduce_scatter_algorithm(ReduceScatterAlgorithm algorithm) { rs_algorithm_ = algorithm; }
+  /// What a Gloo all_gather of CPU tensors runs (kAuto by default; see Note [Ring all-gather]).
+  AllGatherAlgorithm all_gather_algorithm() const { return ag_algorithm_; }
+  /// Chooses it. Every rank of the group must choose the same, before the collectives it affects.
+  void set_all_gather_algorithm(AllGatherAlgorithm algorithm) { ag_algorithm_ = algorithm; }
 
   /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
   Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
@@ -176,6 +193,8 @@ class Communicator {
   void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
   size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
   Handle ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  Handle ring_all_gather(const at::Tensor& output, const at::Tensor& wire_out, const at::Tensor& wire_in,
+                         const at::Tensor& input);
   c10::intrusive_ptr<compat::Work> issue(const std::function<c10::intrusive_ptr<compat::Work>()>& call);
   Handle submit(c10::intrusive_ptr<compat::Work> work, size_t record_index, std::function<void()> finish,
                 const char* op, bool on_cpu);
@@ -188,11 +207,16 @@ class Communicator {
   int rank_;
   int size_;
   ReduceScatterAlgorithm rs_algorithm_ = ReduceScatterAlgorithm::kAuto;
-  uint64_t ring_sequence_ = 0;  // ring collectives so far: the tag of the next one
+  AllGatherAlgorithm ag_algorithm_ = AllGatherAlgorithm::kAuto;
+  uint64_t ring_sequence_ = 0;     // ring reduce-scatters so far: the tag of the next one
+  uint64_t ag_ring_sequence_ = 0;  // ring all-gathers so far: the tag of the next one (another range of tags)
   // Issuing work on a c10d backend is not thread-safe (Gloo numbers its ops unguarded): the calling thread and the
   // ring's worker issue under this lock. Waiting happens outside it.
   std::shared_ptr<std::mutex> issuing_ = std::make_shared<std::mutex>();
   std::unique_ptr<detail::SerialWorker> ring_;  // runs the ring's steps off the calling thread; made on first use
+  // The ring all-gathers' own worker: an all-gather prefetched during backward runs beside a reduce-scatter instead
+  // of queueing behind it, as the backend's own collectives would.
+  std::unique_ptr<detail::SerialWorker> ag_ring_;
 };
 
 }  // namespace shardlab

@@ -61,7 +61,8 @@ const char* to_string(SchedulePoint point);
 ///
 /// Contract: called on the thread that runs the forward or the backward, the same way on every rank. What it
 /// unshards are collectives, so it must decide from what every rank sees alike (the orders, the units' states, its
-/// own settings), never from timing. It may only call FullyShardedModel::begin_unshard (and read the wrapper).
+/// own settings), never from timing. It may only call FullyShardedModel::begin_unshard and
+/// FullyShardedModel::cancel_unshard (and read the wrapper).
 class UnshardSchedule {
  public:
   virtual ~UnshardSchedule() = default;
@@ -69,6 +70,9 @@ class UnshardSchedule {
   virtual void begin_iteration(FullyShardedModel& /*fsdp*/) {}
   /// Unit `u` (an index into FullyShardedModel::units()) is at `point`.
   virtual void at(SchedulePoint point, size_t u, FullyShardedModel& fsdp) = 0;
+  /// The forward returned (after the root's post-forward): a unit it did not run will not run in this backward
+  /// either (no pre-backward hook was registered for it).
+  virtual void end_forward(FullyShardedModel& /*fsdp*/) {}
   /// The most units this schedule holds ahead of their use (all-gather issued, unit not yet used):
   /// FullyShardedModel::memory_theory counts an all-gather buffer for each.
   virtual int max_ahead() const { return 0; }
@@ -184,6 +188,11 @@ class FullyShardedModel {
   /// Issues unit `u`'s all-gather now when the unit is sharded (no-op otherwise): its own pre-forward or
   /// pre-backward then only waits for it. For an UnshardSchedule. A collective: every rank issues the same.
   void begin_unshard(size_t u);
+  /// Gives up an unshard begun ahead of a use that did not come (a schedule's prediction was wrong): waits for unit
+  /// `u`'s all-gather and shards the unit again, so that its buffers are freed. No-op for a sharded unit. For an
+  /// UnshardSchedule, on every rank alike. @throws std::logic_error when `u` ran its forward in this iteration (its
+  /// parameters may be in use).
+  void cancel_unshard(size_t u);
   /// Plugs in a schedule (null: none, stage 04's behaviour). Set it on every rank alike, between steps.
   void set_schedule(std::shared_ptr<UnshardSchedule> schedule) { schedule_ = std::move(schedule); }
   /// The schedule in use, or null.
@@ -196,6 +205,10 @@ class FullyShardedModel {
   /// The units in the order their forward returned in this forward so far (the root last). Backward meets them in
   /// the reverse order: each unit's pre-backward hook is on its output.
   const std::vector<size_t>& post_forward_order() const { return post_forward_order_; }
+  /// True when unit `u`'s forward in this iteration registered its pre-backward hook (training, and its output
+  /// requires grad), so that backward may meet it; false for a unit that did not run or whose output needs no
+  /// gradient (a frozen unit on inputs that need none): backward never gathers such a unit.
+  bool awaits_backward(size_t u) const { return u < awaits_backward_.size() && awaits_backward_[u]; }
   /// forward_order() of the last complete forward (empty before the first one returned).
   const std::vector<size_t>& last_forward_order() const { return last_forward_order_; }
   /// The index of the root in units(), or units().size() when there is no root.
@@ -246,6 +259,7 @@ class FullyShardedModel {
   // One iteration (forward + backward); reset by reset_iteration().
   std::vector<size_t> forward_order_;       // units in the order their forward began
   std::vector<size_t> post_forward_order_;  // units in the order their forward returned
+  std::vector<bool> awaits_backward_;       // per unit: its forward registered a pre-backward hook
   std::vector<size_t> reduce_order_;  // the order reduce-scatters are launched in (reverse forward, then the rest)
   size_t next_reduce_ = 0;            // next position of reduce_order_ to launch
   std::vector<size_t> missing_;       // per unit: trainable parameters whose gradient has not come

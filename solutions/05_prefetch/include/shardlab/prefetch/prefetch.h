@@ -34,7 +34,8 @@ namespace shardlab::prefetch {
 std::vector<size_t> expected_forward_order(const fsdp::FullyShardedModel& fsdp);
 
 /// The order this backward meets the units' pre-backward hooks in: the reverse of this forward's post-forward order
-/// (FullyShardedModel::post_forward_order). Valid once the forward returned.
+/// (FullyShardedModel::post_forward_order), without the units that registered no hook (awaits_backward false: a
+/// prefetch of one would be a collective stage 04 never makes). Valid once the forward returned.
 std::vector<size_t> backward_order(const fsdp::FullyShardedModel& fsdp);
 
 /// Issues all-gathers ahead of use, as a PrefetchPolicy says; FullyShardedModel's UnshardSchedule.
@@ -43,8 +44,11 @@ std::vector<size_t> backward_order(const fsdp::FullyShardedModel& fsdp);
 ///  - At a unit's pre-forward (pre-backward), the unit stops being ahead, then the targets() of that point are
 ///    prefetched in order: a target already gathered or in flight, or already used in this forward (backward), is
 ///    skipped as a no-op; a target that would put more than in_flight_limit(policy) units ahead is skipped.
-///  - Post-forward prefetches nothing. A new iteration (`loss()`) forgets what was ahead: FSDP has sharded every
-///    unit by then.
+///  - Post-forward prefetches nothing. At the end of the forward, a unit still ahead from a forward prefetch was
+///    not run by this forward (the expected order was wrong: the model skipped it); it will not run in this
+///    backward either, so its unshard is cancelled (FullyShardedModel::cancel_unshard) and it is no longer ahead:
+///    its buffer neither lingers nor holds a place under the limit that backward's prefetches need.
+///  - A new iteration (`loss()`) forgets what was ahead: FSDP has sharded every unit by then.
 ///  - Deterministic: the same orders and states give the same prefetches on every rank.
 class PrefetchSchedule : public fsdp::UnshardSchedule {
  public:
@@ -55,8 +59,10 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   void begin_iteration(fsdp::FullyShardedModel& fsdp) override;
   /// Marks `u` used and prefetches what the policy asks for at this point (see the contract).
   void at(fsdp::SchedulePoint point, size_t u, fsdp::FullyShardedModel& fsdp) override;
-  /// The most units this schedule can hold ahead: in_flight_limit(policy()), or fewer when the policy asks for
-  /// fewer (its depths and the longest explicit list; 0 when it prefetches nothing).
+  /// Cancels the forward prefetches that were not used (see the contract).
+  void end_forward(fsdp::FullyShardedModel& fsdp) override;
+  /// The most units this schedule can hold ahead: in_flight_limit(policy()), or 0 when the policy never prefetches
+  /// (both depths 0, no explicit lists).
   int max_ahead() const override { return max_ahead_; }
 
   /// The units to prefetch at `point` of unit `u`, in order, before any is skipped: the unit's explicit list when
@@ -72,11 +78,13 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   uint64_t issued() const { return issued_; }
   /// Prefetches skipped so far because the limit was reached.
   uint64_t skipped_for_limit() const { return skipped_for_limit_; }
+  /// Prefetches cancelled so far at the end of a forward that did not use them.
+  uint64_t cancelled() const { return cancelled_; }
 
  private:
   PrefetchPolicy policy_;
   int limit_ = 1;
-  int max_ahead_ = 1;                                // min(limit_, the most the policy asks for at one point)
+  int max_ahead_ = 1;                                // limit_, or 0 when the policy never prefetches
   std::vector<std::vector<size_t>> forward_lists_;   // per unit: its explicit forward list (indices), or empty
   std::vector<std::vector<size_t>> backward_lists_;  // per unit: its explicit backward list, or empty
   std::vector<bool> has_forward_list_, has_backward_list_;
@@ -85,6 +93,7 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   std::vector<bool> used_forward_, used_backward_;  // per unit: its pre-forward / pre-backward has run
   uint64_t issued_ = 0;
   uint64_t skipped_for_limit_ = 0;
+  uint64_t cancelled_ = 0;
 };
 
 /// Makes a PrefetchSchedule for `fsdp` and plugs it in (FullyShardedModel::set_schedule); returns it, for its

@@ -95,9 +95,9 @@ struct CommHook {
 };
 
 /// Bytes `hook` holds privately, beyond its grad and output, while a reduce-scatter-form call on `grad_numel`
-/// elements of `dtype` on `device` is in flight: a low-precision hook's copies of grad and output in its own dtype
-/// (none when grad already is in it) and what the Communicator holds for the reduce-scatter it issues
-/// (Communicator::reduce_scatter_scratch_bytes). Memory meters add it (stage 04's FSDP does).
+/// elements of `dtype` on `device` is in flight: a low-precision hook's copy of grad in its own dtype (none when
+/// grad already is in it) and its reduced chunk (always), and what the Communicator holds for the reduce-scatter it
+/// issues (Communicator::reduce_scatter_scratch_bytes). Memory meters add it (stage 04's FSDP does).
 int64_t reduce_scatter_scratch_bytes(const CommHook& hook, c10::ScalarType dtype, int64_t grad_numel,
                                      c10::Device device);
 
