@@ -4,6 +4,7 @@
 #include "shardlab/common/errors.h"
 #include "shardlab/common/progress.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -524,6 +525,7 @@ Handle Communicator::ring_all_gather(const at::Tensor& output, const at::Tensor&
                                      const at::Tensor& input) {
   // See Note [Ring all-gather]. wire_out is the output itself, or its f32 copy where Gloo cannot carry the dtype.
   if (size_ > 4096) throw std::invalid_argument("all_gather: the ring supports up to 4096 ranks");
+  at::NoGradGuard no_grad;  // raw data movement, as the backend's own: an output that requires grad is fine
   at::Tensor rows = wire_out.view({size_, -1});
   rows[rank_].copy_(wire_in.view({-1}));
   const size_t idx = record("all_gather", "all_gather(ring)", input, wire_in, nullptr);
@@ -539,6 +541,7 @@ Handle Communicator::ring_all_gather(const at::Tensor& output, const at::Tensor&
   const uint64_t sequence = ag_ring_sequence_++;
   ag_ring_->submit([backend = backend_, issuing = issuing_, task_work, rows, rank = rank_, size = size_, sequence,
                     timeout = timeout_]() mutable {
+    at::NoGradGuard no_grad;  // grad mode is per thread
     try {
       const int right = (rank + 1) % size, left = (rank + size - 1) % size;
       for (int step = 0; step + 1 < size; ++step) {

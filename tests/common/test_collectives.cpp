@@ -301,23 +301,37 @@ TEST(Collectives, RingAllGatherEqualsTheBackendsAllGatherBitForBit) {
   }
 }
 
-// What FSDP does during backward: a ring all-gather (the next unit's prefetch) in flight beside ring
-// reduce-scatters, several of each. Each gets its own result: their tags are apart, and neither waits for the other's
-// worker.
+// What FSDP does during backward: ring all-gathers (the next units' prefetches) in flight beside ring
+// reduce-scatters, several of each. Each gets its own result: their tags are apart. And neither waits for the
+// other's worker: rank 0 issues every all-gather before any reduce-scatter, the others the reverse, which one
+// worker for both kinds could not complete (it would run rank 0's first all-gather against the others' first
+// reduce-scatter, and time out).
 TEST(Collectives, RingAllGathersAndReduceScattersInFlightTogetherKeepTheirMessagesApart) {
+  GroupOptions o = test_group();
+  o.timeout = std::chrono::milliseconds(10'000);
   run_ranks(
       3,
       [&](Communicator& c) {
         c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
         c.set_all_gather_algorithm(AllGatherAlgorithm::kRing);
-        std::vector<at::Tensor> gathered, reduced;
+        std::vector<at::Tensor> gathered(6), reduced(6);
         std::vector<Handle> handles;
-        for (int i = 0; i < 6; ++i) {
-          gathered.push_back(at::empty({3 * (i + 1)}));
-          handles.push_back(c.all_gather(gathered.back(), at::full({i + 1}, static_cast<double>(10 * i + c.rank()))));
-          reduced.push_back(at::empty({i + 1}));
-          handles.push_back(c.reduce_scatter(reduced.back(), at::full({3 * (i + 1)}, static_cast<double>(c.rank()))));
-        }
+        auto gather = [&](int i) {
+          gathered[i] = at::empty({3 * (i + 1)});
+          handles.push_back(c.all_gather(gathered[i], at::full({i + 1}, static_cast<double>(10 * i + c.rank()))));
+        };
+        auto reduce = [&](int i) {
+          reduced[i] = at::empty({i + 1});
+          handles.push_back(c.reduce_scatter(reduced[i], at::full({3 * (i + 1)}, static_cast<double>(c.rank()))));
+        };
+        for (int kind = 0; kind < 2; ++kind)
+          for (int i = 0; i < 6; ++i) {
+            if ((kind == 0) == (c.rank() == 0)) {
+              gather(i);
+            } else {
+              reduce(i);
+            }
+          }
         for (auto& h : handles) h.wait();
         for (int i = 0; i < 6; ++i) {
           at::Tensor expect = at::arange(3, at::kFloat).add(10.0 * i).repeat_interleave(i + 1);
@@ -325,7 +339,7 @@ TEST(Collectives, RingAllGathersAndReduceScattersInFlightTogetherKeepTheirMessag
           EXPECT_TRUE(reduced[i].eq(3.0).all().item<bool>()) << "reduce-scatter " << i << ": " << reduced[i];
         }
       },
-      test_group());
+      o);
 }
 
 TEST(Collectives, AutoChoosesTheRingWhereItWasMeasuredFaster) {
@@ -450,38 +464,45 @@ TEST(Collectives, BadArgumentsThrowAtTheCallNamingWhatWasExpected) {
       test_group());
 }
 
+// Also the rings (all-gather, reduce-scatter), whose steps run on a worker of the Communicator's own.
 TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
-  GroupOptions o;
-  o.timeout = std::chrono::milliseconds(1500);
-  std::string message;
-  std::promise<void> rank0_done;
-  std::shared_future<void> done = rank0_done.get_future().share();
-  run_ranks(
-      2,
-      [&](Communicator& c) {
-        if (c.rank() == 1) {
-          // Rank 1 never joins the all-reduce, but keeps its group alive until rank 0 has given up: a group destroyed
-          // early would close the connection, and rank 0 would see that instead of a timeout.
-          done.wait();
-          return;
-        }
-        struct Release {  // however rank 0 leaves, rank 1 is released
-          std::promise<void>& p;
-          ~Release() { p.set_value(); }
-        } release{rank0_done};
-        at::Tensor t = at::ones({8});
-        try {
-          c.all_reduce(t).wait();
-          ADD_FAILURE() << "expected a timeout";
-        } catch (const std::runtime_error& e) {
-          message = e.what();
-        }
-      },
-      o);
-  std::cout << "timeout message: " << message << "\n";
-  EXPECT_NE(message.find("all_reduce"), std::string::npos);
-  EXPECT_NE(message.find("rank 0"), std::string::npos);
-  EXPECT_NE(message.find("timed out (limit 1500 ms)"), std::string::npos) << "a timeout must say it was one";
+  for (const std::string op : {"all_reduce", "all_gather", "reduce_scatter"}) {
+    GroupOptions o;
+    o.timeout = std::chrono::milliseconds(1500);
+    std::string message;
+    std::promise<void> rank0_done;
+    std::shared_future<void> done = rank0_done.get_future().share();
+    run_ranks(
+        2,
+        [&](Communicator& c) {
+          if (c.rank() == 1) {
+            // Rank 1 never joins, but keeps its group alive until rank 0 has given up: a group destroyed early
+            // would close the connection, and rank 0 would see that instead of a timeout.
+            done.wait();
+            return;
+          }
+          struct Release {  // however rank 0 leaves, rank 1 is released
+            std::promise<void>& p;
+            ~Release() { p.set_value(); }
+          } release{rank0_done};
+          c.set_all_gather_algorithm(AllGatherAlgorithm::kRing);
+          c.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+          at::Tensor t = at::ones({8}), half = at::ones({4});
+          try {
+            if (op == "all_reduce") c.all_reduce(t).wait();
+            if (op == "all_gather") c.all_gather(t, half).wait();
+            if (op == "reduce_scatter") c.reduce_scatter(half, t).wait();
+            ADD_FAILURE() << op << ": expected a timeout";
+          } catch (const std::runtime_error& e) {
+            message = e.what();
+          }
+        },
+        o);
+    std::cout << op << " timeout message: " << message << "\n";
+    EXPECT_NE(message.find(op), std::string::npos) << message;
+    EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
+    EXPECT_NE(message.find("timed out (limit 1500 ms)"), std::string::npos) << "a timeout must say it was one";
+  }
 }
 
 TEST(Collectives, RunRanksNamesTheFailingRank) {

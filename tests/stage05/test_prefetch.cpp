@@ -117,39 +117,50 @@ TEST(PrefetchOrders, BackwardMeetsTheUnitsInReversePostForwardOrderRootFirst) {
 // backward. The backward order leaves it out; depth 1 then gathers in backward exactly what stage 04 gathers, one
 // all-gather per block met, and never the frozen one.
 TEST(PrefetchOrders, AUnitWhoseOutputNeedsNoGradientIsNotInTheBackwardOrder) {
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3}, /*dim=*/16);
-        model->set_run_order({0, 1, 3});
-        model->set_first_on_input(2);
-        int frozen = 0;
-        for (auto& item : model->named_parameters())
-          if (item.key().rfind("block2.", 0) == 0) {
-            item.value().requires_grad_(false);
-            ++frozen;
-          }
-        ASSERT_EQ(frozen, 2) << "block2's weight and bias";
-        FullyShardedModel fsdp(model, comm);
-        auto schedule = enable_prefetch(fsdp, PrefetchPolicy{});
-        UnitLog log(fsdp);
-        at::Tensor loss = fsdp.loss(chain_batch(0, comm));
-        log.take();
-        const size_t root = fsdp.root_index();
-        EXPECT_FALSE(fsdp.awaits_backward(2)) << "block2's output needs no gradient";
-        EXPECT_EQ(backward_order(fsdp), (std::vector<size_t>{root, 3, 1, 0}))
-            << "got " << joined(names_of(fsdp, backward_order(fsdp)));
-        const size_t mark = comm.recorder().size();
-        loss.backward();
-        const Seq backward = log.take();
-        if (comm.rank() == 0) std::cout << "backward: " << joined(backward) << "\n";
-        EXPECT_EQ(std::count(backward.begin(), backward.end(), "U block2"), 0)
-            << "block2 gathered in backward: " << joined(backward);
-        int gathers = 0;
-        for (const auto& r : comm.recorder().since(mark)) gathers += r.op == "all_gather" ? 1 : 0;
-        EXPECT_EQ(gathers, 3) << "one all-gather per block met in backward (block3, block1, block0)";
-      },
-      test_group());
+  PrefetchPolicy listing;  // explicit backward lists, one of which names the frozen block
+  listing.forward_depth = 0;
+  listing.backward_depth = 0;
+  listing.max_in_flight = 2;  // room for block2 beside block3: only awaits_backward keeps it out
+  listing.backward_lists["root"] = {"block3", "block2"};
+  listing.backward_lists["block3"] = {"block1"};
+  listing.backward_lists["block1"] = {"block0"};
+  for (const auto& [name, policy] :
+       std::vector<std::pair<std::string, PrefetchPolicy>>{{"depth 1", PrefetchPolicy{}}, {"lists", listing}}) {
+    run_ranks(
+        2,
+        [&, &name = name, &policy = policy](Communicator& comm) {
+          auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3}, /*dim=*/16);
+          model->set_run_order({0, 1, 3});
+          model->set_first_on_input(2);
+          int frozen = 0;
+          for (auto& item : model->named_parameters())
+            if (item.key().rfind("block2.", 0) == 0) {
+              item.value().requires_grad_(false);
+              ++frozen;
+            }
+          ASSERT_EQ(frozen, 2) << "block2's weight and bias";
+          FullyShardedModel fsdp(model, comm);
+          auto schedule = enable_prefetch(fsdp, policy);
+          UnitLog log(fsdp);
+          at::Tensor loss = fsdp.loss(chain_batch(0, comm));
+          log.take();
+          const size_t root = fsdp.root_index();
+          EXPECT_FALSE(fsdp.awaits_backward(2)) << "block2's output needs no gradient";
+          EXPECT_EQ(backward_order(fsdp), (std::vector<size_t>{root, 3, 1, 0}))
+              << "got " << joined(names_of(fsdp, backward_order(fsdp)));
+          const size_t mark = comm.recorder().size();
+          loss.backward();
+          const Seq backward = log.take();
+          if (comm.rank() == 0) std::cout << name << ", backward: " << joined(backward) << "\n";
+          EXPECT_EQ(std::count(backward.begin(), backward.end(), "U block2"), 0)
+              << name << ": block2 gathered in backward: " << joined(backward);
+          int gathers = 0;
+          for (const auto& r : comm.recorder().since(mark)) gathers += r.op == "all_gather" ? 1 : 0;
+          EXPECT_EQ(gathers, 3) << name << ": one all-gather per block met in backward (block3, block1, block0)";
+          EXPECT_GE(schedule->issued(), 3u) << name << ": block3, block1 and block0 were prefetched";
+        },
+        test_group());
+  }
 }
 
 // ---- Task 2: the targets ------------------------------------------------------------------------------------
@@ -381,6 +392,18 @@ TEST(PrefetchMispredicted, AUnitTheForwardSkippedIsCancelledAtItsEndAndBackwardS
         EXPECT_EQ(schedule->cancelled(), 1u);
         EXPECT_EQ(fsdp.memory().param_bytes, fsdp.memory_theory().sharded_param_bytes)
             << "after the step only the shards are held";
+        // The mispredicted step held block2's all-gather buffer beside block3: one buffer above the steady-state
+        // theory at most. The next step expects the new order: nothing cancelled, and within the theory.
+        const int64_t buffer = fsdp.units()[2]->all_gather_bytes();
+        EXPECT_LE(fsdp.memory().peak_param_bytes, fsdp.memory_theory().peak_param_bytes + buffer);
+        fsdp.reset_memory_peaks();
+        for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
+        fsdp.loss(chain_batch(2, comm)).backward();
+        if (comm.rank() == 0)
+          std::cout << "the next step: peak " << fsdp.memory().peak_param_bytes << " bytes, theory "
+                    << fsdp.memory_theory().peak_param_bytes << "\n";
+        EXPECT_EQ(schedule->cancelled(), 1u) << "the next forward was predicted";
+        EXPECT_LE(fsdp.memory().peak_param_bytes, fsdp.memory_theory().peak_param_bytes);
       },
       test_group());
 }

@@ -169,9 +169,8 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
   if (wrong > 0)
     targets << "; where it did not, the one it picked was at most " << std::fixed << std::setprecision(2) << worst
             << "x the faster";
-  targets << "\n- the ring all-gather (kAuto on Gloo without a flat all-gather) took " << std::fixed
-          << std::setprecision(2) << ag_best_ratio << "-" << ag_worst
-          << "x the backend's time, with no copy of the output beside it\n";
+  targets << "\n- the ring all-gather (kAuto: every CPU all-gather on Gloo) took " << std::fixed << std::setprecision(2)
+          << ag_best_ratio << "-" << ag_worst << "x the backend's time, with no copy of the output beside it\n";
   result.heading = "Gloo on CPU, processes, float32; each figure the best over " + std::to_string(repeat) +
                    " rounds of the mean of " + std::to_string(kCalls) + " back-to-back calls";
   result.markdown =

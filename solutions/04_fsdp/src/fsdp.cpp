@@ -250,6 +250,7 @@ void FullyShardedModel::post_forward(size_t u, const at::Tensor& output) {
   }
   // END SOLUTION
   post_forward_order_.push_back(u);
+  if (awaits_backward_.size() != units_.size()) awaits_backward_.assign(units_.size(), false);  // before any loss()
   awaits_backward_[u] = at::GradMode::is_enabled() && output.defined() && output.requires_grad();
   consult_schedule(SchedulePoint::kPostForward, u);
 }
@@ -280,7 +281,7 @@ void FullyShardedModel::cancel_unshard(size_t u) {
   if (std::find(forward_order_.begin(), forward_order_.end(), u) != forward_order_.end())
     throw std::logic_error("FullyShardedModel::cancel_unshard: unit '" + units_[u]->name() +
                            "' ran its forward in this iteration; expected a unit whose use did not come");
-  units_[u]->reshard();
+  units_[u]->cancel_unshard();
 }
 
 void FullyShardedModel::wait_for_reduce(Handle& reduce) {
@@ -402,6 +403,10 @@ void FullyShardedModel::reset_iteration() {
 //  - its copy-out: what stays gathered so far + u's gathered buffer + u's all-gather buffer + those of the units
 //    already ahead beside it (the next k-1 when k units may be ahead; none before the first unit);
 //  - right after it, when the schedule prefetches: the same without u's all-gather buffer, with the next k units'.
+// The walk is the steady state: a forward that runs its units in the expected order. A forward that does not (the
+// first one of a model registered in another order than it runs, or one that skips a unit) may hold a prefetched
+// unit's all-gather buffer beside units it was not expected beside, until its use or the end of the forward; the
+// next forward expects the new order.
 // Backward with raf meets the same moments in the reverse order (a unit is freed when its gradients are in, before
 // the next unit's copy-out), except that a unit with a frozen parameter stays gathered to the end of backward: a
 // second walk, over the backward, counts those.

@@ -60,12 +60,12 @@ std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
 
 PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy policy)
     : policy_(std::move(policy)), limit_(in_flight_limit(policy_)) {
-  // Only the limit bounds what is ahead: explicit lists may name units far ahead, and even with depths alone a
-  // forward that runs its units in another order than expected (or a unit that never meets its backward) leaves
-  // earlier prefetches ahead while later points add theirs. A policy that never prefetches holds nothing ahead.
-  const bool asks = policy_.forward_depth > 0 || policy_.backward_depth > 0 || !policy_.forward_lists.empty() ||
-                    !policy_.backward_lists.empty();
-  max_ahead_ = asks ? limit_ : 0;
+  // With depths only, in the steady state (the forward runs in the expected order), what is ahead at unit u lies
+  // among the next `depth` units after it: no more than the depth is ahead. Explicit lists may name units far
+  // ahead, and units listed by several points pile up: only the limit bounds them. (A forward out of its expected
+  // order may hold one more for a while: Note [The parameter peak, walked].)
+  const bool lists = !policy_.forward_lists.empty() || !policy_.backward_lists.empty();
+  max_ahead_ = lists ? limit_ : std::min(limit_, std::max(policy_.forward_depth, policy_.backward_depth));
   const auto& units = fsdp.units();
   std::vector<std::string> names;
   names.reserve(units.size());
@@ -118,6 +118,7 @@ void PrefetchSchedule::at(SchedulePoint point, size_t u, FullyShardedModel& fsdp
   ahead_.erase(std::remove(ahead_.begin(), ahead_.end(), u), ahead_.end());
   for (size_t v : targets(point, u, fsdp)) {
     if (used[v] || fsdp.units()[v]->state() != fsdp::UnitState::kSharded) continue;  // no-op: gathered or done
+    if (point == SchedulePoint::kPreBackward && !fsdp.awaits_backward(v)) continue;  // backward never meets it
     if (static_cast<int>(ahead_.size()) >= limit_) {
       ++skipped_for_limit_;
       continue;

@@ -221,6 +221,19 @@ void FsdpUnit::finish_unshard() {
   emit(UnitEventKind::kFinishUnshard);
 }
 
+void FsdpUnit::cancel_unshard() {
+  if (state_ != UnitState::kUnsharding) return;
+  const int64_t transient = all_gather_bytes();
+  const int64_t wait_start = now_ns();
+  all_gather_.wait();  // it writes into the buffer: wait before dropping it (and every rank completes it)
+  comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
+  all_gather_out_ = at::Tensor();
+  all_gather_in_ = at::Tensor();
+  state_ = UnitState::kSharded;
+  meter_.release(MemoryKind::kParams, transient);
+  emit(UnitEventKind::kReshard);
+}
+
 void FsdpUnit::reshard() {
   if (state_ == UnitState::kUnsharding) finish_unshard();
   if (state_ == UnitState::kSharded) return;

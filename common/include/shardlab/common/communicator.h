@@ -147,8 +147,9 @@ class Communicator {
   /// wire dtype (Gloo 1.13: bfloat16 goes as float32, see Note [Fallbacks]). Tests and reports use it to know
   /// whether a low-precision all-reduce really halves the bytes.
   bool reduces_natively(c10::ScalarType dtype) const;
-  /// True when all_gather of tensors like `t` is the backend's own flat all-gather; false when it goes through the
-  /// ring or the list all-gather (Gloo 1.13; Gloo with CUDA tensors). Either way the result is the same.
+  /// True when the backend has a flat all-gather for tensors like `t` (NCCL; Gloo from libtorch 2.x, CPU tensors).
+  /// all_gather uses it unless all_gather_uses_ring(t); else Gloo's list all-gather. Either way the result is the
+  /// same.
   bool has_flat_all_gather(const at::Tensor& t) const;
   /// True when all_gather of tensors like `t` runs as the ring of send/recv (wire_op "all_gather(ring)"): Gloo, CPU
   /// tensors, and all_gather_algorithm() other than kBackend.

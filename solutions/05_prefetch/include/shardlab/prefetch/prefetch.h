@@ -42,7 +42,8 @@ std::vector<size_t> backward_order(const fsdp::FullyShardedModel& fsdp);
 ///
 /// Contract:
 ///  - At a unit's pre-forward (pre-backward), the unit stops being ahead, then the targets() of that point are
-///    prefetched in order: a target already gathered or in flight, or already used in this forward (backward), is
+///    prefetched in order: a target already gathered or in flight, or already used in this forward (backward), or
+///    (in backward) one that backward will not meet (awaits_backward false, named by an explicit list), is
 ///    skipped as a no-op; a target that would put more than in_flight_limit(policy) units ahead is skipped.
 ///  - Post-forward prefetches nothing. At the end of the forward, a unit still ahead from a forward prefetch was
 ///    not run by this forward (the expected order was wrong: the model skipped it); it will not run in this
@@ -61,8 +62,8 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   void at(fsdp::SchedulePoint point, size_t u, fsdp::FullyShardedModel& fsdp) override;
   /// Cancels the forward prefetches that were not used (see the contract).
   void end_forward(fsdp::FullyShardedModel& fsdp) override;
-  /// The most units this schedule can hold ahead: in_flight_limit(policy()), or 0 when the policy never prefetches
-  /// (both depths 0, no explicit lists).
+  /// The most units this schedule holds ahead in the steady state: in_flight_limit(policy()) with explicit lists;
+  /// with depths only, no more than the larger depth (0 when both are 0).
   int max_ahead() const override { return max_ahead_; }
 
   /// The units to prefetch at `point` of unit `u`, in order, before any is skipped: the unit's explicit list when
@@ -84,7 +85,7 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
  private:
   PrefetchPolicy policy_;
   int limit_ = 1;
-  int max_ahead_ = 1;                                // limit_, or 0 when the policy never prefetches
+  int max_ahead_ = 1;                                // see max_ahead()
   std::vector<std::vector<size_t>> forward_lists_;   // per unit: its explicit forward list (indices), or empty
   std::vector<std::vector<size_t>> backward_lists_;  // per unit: its explicit backward list, or empty
   std::vector<bool> has_forward_list_, has_backward_list_;

@@ -128,6 +128,9 @@ class FsdpUnit {
   /// unsharded -> sharded: the gathered buffer goes back to 0 bytes. An all-gather in flight is finished first
   /// (it writes into that buffer). No-op when sharded.
   void reshard();
+  /// unsharding -> sharded without using the result: waits for the all-gather in flight, then drops its buffers
+  /// (no copy-out, the gathered buffer never gets its bytes). Emits kReshard. No-op in any other state.
+  void cancel_unshard();
 
   /// Bytes the gathered buffer holds now (0 while sharded).
   int64_t gathered_bytes() const;
