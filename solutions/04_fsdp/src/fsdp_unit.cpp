@@ -25,6 +25,27 @@
 // unsharded parameters at copy-out), so a unit whose all-gather is in flight early (stage 05's prefetch) holds its
 // all-gather buffer only.
 //
+// Note [Copy-out, in place, or zero-copy]
+// Three ways from the rank-major all-gather output to full parameters, weighed for this course:
+//  - copy-out into a second buffer (here, and FSDP2): both buffers exist while the copy runs, one unit more at that
+//    moment. Each rank's shard is each parameter's own dim-0 rows, which the optimizer, clipping and checkpoints
+//    address per parameter.
+//  - an in-place permutation of the all-gather buffer into parameter-major order (the registered tensors slots of
+//    it): the transpose of an N x P matrix of blocks whose width differs per parameter, done by following its
+//    cycles. It saves the second buffer, but only where nothing is prefetched. With prefetch depth k >= 1 the
+//    schedule issues the next unit's all-gather after this unit's copy-out, so the copy-out's moment (gathered,
+//    own buffer, k-1 ahead) and the moment after it (gathered, k ahead) both hold 1 + k units: what an in-place
+//    unit holds with k ahead. Stage 05's default costs nothing for the copy; only stage 04 alone (depth 0) does.
+//  - zero-copy (Megatron-FSDP; FSDP1's flat parameter): shard each unit's parameter-major buffer evenly, so that
+//    each rank's shard is a contiguous slice of it and the all-gather output is the gathered buffer: no copy, no
+//    second buffer. The price: a shard cuts parameters at arbitrary elements, so the optimizer steps fragments,
+//    and everything per parameter (a norm for clipping, optimizer state by shape, a checkpoint resharded to another
+//    world size, a user's look at sharded_parameters()) must reassemble them. FSDP2 left FSDP1's flat parameter for
+//    that reason, and stages 06 and later build on per-parameter shards.
+// So the copy-out stays. What did cost memory was hidden: Gloo's all-gather filled a flat copy of the output of its
+// own, one more unit at every all-gather; the Communicator's ring all-gather writes straight into the buffer (Note
+// [Ring all-gather]), and CommunicatorScratch (tests/common/test_memory.cpp) fails if such a copy comes back.
+//
 // Note [Why the registered tensor never changes]
 // Autograd saves the registered tensor (a Linear saves its weight) in the forward and checks its version counter
 // in the backward. Writing the gathered values *through the gathered buffer* leaves the registered tensor's own
