@@ -12,13 +12,17 @@
 
 // c10::Allocator::allocate is const before libtorch 2.3, non-const after, where copy_data became pure virtual.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+/// Expands to `const` where c10::Allocator::allocate is const (before libtorch 2.3), to nothing after.
 #define SHARDLAB_ALLOCATE_CONST
+/// The copy_data override a c10::Allocator needs from libtorch 2.3 on (nothing before).
 #define SHARDLAB_ALLOCATOR_COPY_DATA                                                           \
   void copy_data(void* dest, const void* src, std::size_t count) const override { /* NOLINT */ \
     default_copy_data(dest, src, count);                                                       \
   }
 #else
+/// Expands to `const` where c10::Allocator::allocate is const (before libtorch 2.3), to nothing after.
 #define SHARDLAB_ALLOCATE_CONST const
+/// The copy_data override a c10::Allocator needs from libtorch 2.3 on (nothing before).
 #define SHARDLAB_ALLOCATOR_COPY_DATA
 #endif
 
