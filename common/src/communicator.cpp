@@ -547,9 +547,9 @@ Handle Communicator::ring_all_gather(const at::Tensor& output, const at::Tensor&
       for (int step = 0; step + 1 < size; ++step) {
         const int send_row = ((rank - step) % size + size) % size;
         const int recv_row = ((rank - step - 1) % size + size) % size;
-        // Tags from 2^30 up: the ring reduce-scatters' (below 2^30) never meet them.
-        const int tag = static_cast<int>((uint64_t{1} << 30) + (sequence % (uint64_t{1} << 18)) * 4096 +
-                                         static_cast<uint64_t>(step));
+        // Tags from kRingAllGatherTagBase (2^30) up: the ring reduce-scatters' (below it) never meet them.
+        const int tag = static_cast<int>(static_cast<uint64_t>(kRingAllGatherTagBase) +
+                                         (sequence % (uint64_t{1} << 18)) * 4096 + static_cast<uint64_t>(step));
         std::vector<at::Tensor> out{rows[send_row]}, in{rows[recv_row]};
         c10::intrusive_ptr<compat::Work> sending, receiving;
         {

@@ -56,6 +56,14 @@ std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::S
   auto backend = options.kind == BackendKind::kNccl
                      ? compat::make_nccl(prefixed, rank, size, options.timeout)
                      : compat::make_gloo(prefixed, rank, size, options.timeout, options.hostname);
+  if (options.wrap_backend) {
+    backend = options.wrap_backend(std::move(backend), rank);
+    if (!backend) throw std::invalid_argument("make_communicator: GroupOptions::wrap_backend returned no backend");
+    if (backend->getRank() != rank || backend->getSize() != size)
+      throw std::invalid_argument("make_communicator: GroupOptions::wrap_backend returned a backend of rank " +
+                                  std::to_string(backend->getRank()) + " of " + std::to_string(backend->getSize()) +
+                                  "; expected rank " + std::to_string(rank) + " of " + std::to_string(size));
+  }
   return std::make_shared<Communicator>(std::move(backend), options.kind, name, options.timeout, std::move(recorder));
 }
 

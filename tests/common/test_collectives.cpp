@@ -1,6 +1,7 @@
 // Tests of the Communicator on real Gloo process groups, ranks as threads: results, fallbacks, the collective
 // record, asynchrony, the barrier, argument validation and timeouts; Handle's rules; comm_time.
 #include "shardlab/common/thread_ranks.h"
+#include "support/delayed_backend.h"
 #include "support/device.h"
 #include "support/group.h"
 
@@ -629,6 +630,55 @@ TEST(CommTime, BusySpansInsideAWaitAreNotWaiting) {
   const CommTime t = comm_time({r}, waits, 0, 1000);
   EXPECT_EQ(t.busy_ns, 100);
   EXPECT_EQ(t.exposed_ns, 20 + 20 + 20) << "only the time the thread really waited";
+}
+
+// GroupOptions::wrap_backend: the Communicator runs on what the wrapper returns. Every collective (the rings' steps
+// included) goes through it and gives the backend's result; a wrapper of another rank or size is refused by name.
+TEST(WrappedBackend, CarriesEveryCollectiveAndTheRingsStepsAreToldApartByTag) {
+  std::vector<test_support::DelayCounts> counts(3);
+  GroupOptions options = test_group();
+  options.wrap_backend = [&](c10::intrusive_ptr<compat::Backend> inner, int rank) {
+    test_support::DelayPlan plan;
+    plan.all_gather = plan.reduce_scatter = plan.other = std::chrono::microseconds(500);
+    return c10::make_intrusive<test_support::DelayedBackend>(std::move(inner), plan, &counts[rank]);
+  };
+  run_ranks(
+      3,
+      [&](Communicator& comm) {
+        const auto r = static_cast<double>(comm.rank());
+        at::Tensor sum = at::full({4}, r + 1.0);
+        comm.all_reduce(sum).wait();
+        EXPECT_TRUE(sum.equal(at::full({4}, 6.0)));
+        at::Tensor root = at::full({2}, r);
+        comm.broadcast(root, 1).wait();
+        EXPECT_TRUE(root.equal(at::full({2}, 1.0)));
+        at::Tensor gathered = at::empty({6});
+        ASSERT_TRUE(comm.all_gather_uses_ring(gathered));
+        comm.all_gather(gathered, at::full({2}, r)).wait();
+        EXPECT_TRUE(gathered.equal(at::tensor({0.0, 0.0, 1.0, 1.0, 2.0, 2.0}, at::kFloat)));
+        at::Tensor mine = at::empty({2});
+        comm.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+        comm.reduce_scatter(mine, at::arange(6, at::kFloat)).wait();
+        EXPECT_TRUE(mine.equal(at::arange(2 * comm.rank(), 2 * comm.rank() + 2, at::kFloat).mul(3)));
+        comm.barrier();
+      },
+      options);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(counts[r].all_gather, 2) << "rank " << r << ": one send per step of the 3-rank ring all-gather";
+    EXPECT_EQ(counts[r].reduce_scatter, 2) << "rank " << r << ": one send per step of the ring reduce-scatter";
+    EXPECT_EQ(counts[r].other, 3) << "rank " << r << ": all-reduce, broadcast, barrier";
+  }
+  options.wrap_backend = [](const c10::intrusive_ptr<compat::Backend>&, int) {
+    return c10::intrusive_ptr<compat::Backend>();
+  };
+  try {
+    run_ranks(
+        1, [](Communicator&) {}, options);
+    ADD_FAILURE() << "a wrapper that returns no backend must be refused";
+  } catch (const std::runtime_error& e) {
+    std::cout << e.what() << "\n";
+    EXPECT_NE(std::string(e.what()).find("wrap_backend returned no backend"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -62,6 +62,11 @@ enum class AllGatherAlgorithm {
              ///< one more output's bytes while in flight
 };
 
+/// The point-to-point tags of the Communicator's ring collectives: ring all-gathers (Note [Ring all-gather]) use
+/// tags from this value up, ring reduce-scatters (Note [Ring reduce-scatter]) tags below it. A backend wrapper
+/// (GroupOptions::wrap_backend: delay or fault injection, tracing) tells the two apart by it.
+inline constexpr int kRingAllGatherTagBase = 1 << 30;
+
 namespace detail {
 class SerialWorker;
 }  // namespace detail

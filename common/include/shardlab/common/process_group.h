@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -18,6 +19,11 @@ struct GroupOptions {
   BackendKind kind = BackendKind::kGloo;      ///< Gloo (CPU) or NCCL (CUDA, when compiled in)
   std::chrono::milliseconds timeout{60'000};  ///< per collective and for the rendezvous
   std::string hostname = "127.0.0.1";         ///< address Gloo binds to; "" = this host's default device
+  /// When set, make_communicator hands it each backend it creates, with the rank, and builds the Communicator on
+  /// what it returns: a wrapper that forwards to the real backend (delay or fault injection, tracing), as c10d's
+  /// own ProcessGroupWrapper does. The wrapper must forward every op the Communicator issues (communicator.h:
+  /// allreduce, broadcast, allgather, _allgather_base, _reduce_scatter_base, send, recv, barrier).
+  std::function<c10::intrusive_ptr<compat::Backend>(c10::intrusive_ptr<compat::Backend>, int rank)> wrap_backend;
 };
 
 /// The variables torchrun sets for each process.
