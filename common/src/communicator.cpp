@@ -61,6 +61,28 @@
 // kBackend keeps Gloo's own, for comparison (`shardlab bench --section reduce_scatter` times both). CUDA tensors
 // keep the backend's all-gather (Gloo's send/recv take host memory; NCCL writes into the output).
 
+// Note [Streams on CUDA: NCCL's stream is the side stream]
+// On CUDA the overlap that stage 05 builds needs no stream of shardlab's own. c10d's NCCL backend issues each
+// collective on an NCCL stream of its own per device, after making that stream wait for the current one (the inputs
+// are ready), and its Work::wait() makes the *current* stream wait for the collective's end event: the host does
+// not block (only with NCCL_BLOCKING_WAIT / TORCH_NCCL_BLOCKING_WAIT set, or for a barrier). c10d also tells the
+// CUDA caching allocator that its stream uses the collective's tensors (recordStream; with 2.x's
+// TORCH_NCCL_AVOID_RECORD_STREAMS it keeps them alive until the work completes instead), so a buffer freed by the
+// host after wait() is not handed out before the collective is done with it. So FSDP's prefetched all-gather runs on
+// NCCL's stream beside the compute queued after it; finish_unshard's Handle::wait is a stream wait, and the copy-out
+// is queued behind it on the compute stream. Nothing of shardlab's runs on another stream, so nothing of ours needs
+// record_stream (stream.h has it for code that does). What FSDP2 adds beyond this: its copy-in and copy-out run on
+// streams of their own, so they do not queue behind the compute; ours are in the compute stream (a shard's copy in,
+// one unit's copy out per all-gather).
+// Timing: on CUDA, Handle::wait returns once the stream wait is queued, so a host wait span reads ~0 and a record's
+// end_ns is when the host waited, not when the GPU finished (CollectiveRecord says so). Overlap on a GPU must be
+// measured on the device: libtorch 2.x has Backend::enableCollectivesTiming with Work::getDuration (c10d's own CUDA
+// events around the collective on its stream) and the device-generic c10::Event::elapsedTime (events made with
+// EventFlag::BACKEND_DEFAULT: the stall of the compute stream around a stream wait is the exposed part); 1.13 has
+// neither, only at::cuda::CUDAEvent::elapsed_time in a CUDA build (Debian 12's 1.13 has no CUDA). The device timing
+// is not built: no session so far had a GPU to run it on, and a timing path never run would be a stub. The CUDA
+// path compiles in CI (.ci/libtorch2 cuda); tools/gpu-check and the NeedsAGpu tests run it where a GPU is lent.
+
 namespace shardlab {
 namespace {
 
