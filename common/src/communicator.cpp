@@ -309,6 +309,7 @@ size_t Communicator::record(const char* op, const char* wire_op, const at::Tenso
   r.numel = t.numel();
   r.bytes = static_cast<int64_t>(wire.numel() * wire.element_size());
   r.group = name_;
+  r.group_size = size_;
   r.reduce = red ? reduce_name(*red) : "";
   r.start_ns = now_ns();
   return recorder_->begin(std::move(r));

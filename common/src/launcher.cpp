@@ -362,8 +362,20 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
     throw std::invalid_argument("launch: expected a positive timeout, got " + std::to_string(options.timeout.count()) +
                                 " ms");
   }
+  if (options.nnodes < 1 || options.node_rank < 0 || options.node_rank >= options.nnodes) {
+    throw std::invalid_argument("launch: expected nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes " +
+                                std::to_string(options.nnodes) + ", node_rank " + std::to_string(options.node_rank));
+  }
+  if (options.nnodes > 1 && options.master_port == 0) {
+    throw std::invalid_argument("launch: " + std::to_string(options.nnodes) +
+                                " nodes need a master_port every node knows (a port picked here is unknown to the "
+                                "others), got 0");
+  }
   const int port = options.master_port != 0 ? options.master_port : pick_free_port();
+  // This node's ranks are [base, base + nproc) of nnodes * nproc (torchrun's static rendezvous, node by node).
+  const int base = options.node_rank * options.nproc;
   const std::string n = std::to_string(options.nproc);
+  const std::string world = std::to_string(options.nnodes * options.nproc);
   const std::string exec_error_prefix = "shardlab-run: cannot execute " + argv[0] + ": ";
   std::vector<std::string> args = argv;
   std::vector<char*> c_args = c_strings(args);
@@ -372,11 +384,11 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
   SubreaperGuard subreaper_guard;  // declared before the Job: its destructor reaps groups while we are subreaper
   Job job(options.nproc);
   for (int r = 0; r < options.nproc; ++r) {
-    std::vector<std::pair<std::string, std::string>> vars = {{"RANK", std::to_string(r)},
-                                                             {"WORLD_SIZE", n},
+    std::vector<std::pair<std::string, std::string>> vars = {{"RANK", std::to_string(base + r)},
+                                                             {"WORLD_SIZE", world},
                                                              {"LOCAL_RANK", std::to_string(r)},
                                                              {"LOCAL_WORLD_SIZE", n},
-                                                             {"GROUP_RANK", "0"},
+                                                             {"GROUP_RANK", std::to_string(options.node_rank)},
                                                              {"MASTER_ADDR", options.master_addr},
                                                              {"MASTER_PORT", std::to_string(port)}};
     // See Note [BLAS threads per rank]: as torchrun does, one compute thread per rank unless the user said.
@@ -399,12 +411,14 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
     job.signal_running(SIGTERM);
     kill_at = Clock::now() + kGracePeriod;
   };
+  // The sink and the result name global ranks.
+  const LineSink global_sink = [&](int r, const std::string& line) { sink(base + r, line); };
   while (job.any_running()) {
-    job.pump(poll_wait(stopping ? kill_at : deadline), sink);
+    job.pump(poll_wait(stopping ? kill_at : deadline), global_sink);
     for (int r = 0; r < options.nproc; ++r) {
       const int status = job.try_reap(r);
       if (status > 0 && !stopping) {  // once stopping, later exits are casualties of stop(), not failures
-        result = exit_result(r, status);
+        result = exit_result(base + r, status);
         stop();
       }
     }
@@ -414,12 +428,14 @@ LaunchResult launch(const LaunchOptions& options, const std::vector<std::string>
       stop();
     }
     if (!stopping && job.any_running() && Clock::now() >= deadline) {
-      result = timeout_result(options.timeout, job.running_ranks());
+      std::vector<int> hung = job.running_ranks();
+      for (int& r : hung) r += base;
+      result = timeout_result(options.timeout, hung);
       stop();
     }
     if (stopping && Clock::now() >= kill_at) job.signal_running(SIGKILL);
   }
-  job.drain(sink);
+  job.drain(global_sink);
   return result;
 }
 

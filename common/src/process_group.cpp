@@ -67,14 +67,16 @@ std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::S
   return std::make_shared<Communicator>(std::move(backend), options.kind, name, options.timeout, std::move(recorder));
 }
 
+GroupOptions reachable(const RankEnv& env, GroupOptions options) {
+  if (env.master_addr != "127.0.0.1" && env.master_addr != "localhost" && options.hostname == "127.0.0.1")
+    options.hostname = "";
+  return options;
+}
+
 std::shared_ptr<Communicator> communicator_from_env(const GroupOptions& options) {
   const RankEnv env = RankEnv::from_environment();
   auto store = compat::make_tcp_store(env.master_addr, env.master_port, env.rank == 0, env.world_size, options.timeout);
-  GroupOptions opts = options;
-  // Across machines Gloo must bind to an address the others can reach.
-  if (env.master_addr != "127.0.0.1" && env.master_addr != "localhost" && opts.hostname == "127.0.0.1")
-    opts.hostname = "";
-  return make_communicator(store, env.rank, env.world_size, "world", opts);
+  return make_communicator(store, env.rank, env.world_size, "world", reachable(env, options));
 }
 
 }  // namespace shardlab

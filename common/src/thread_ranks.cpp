@@ -10,21 +10,21 @@
 
 namespace shardlab {
 
-void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, const GroupOptions& options) {
+void run_world(int world_size, const std::function<void(World&)>& fn, const GroupOptions& options) {
   if (world_size < 1)
-    throw std::invalid_argument("run_ranks: world_size must be >= 1; got " + std::to_string(world_size));
+    throw std::invalid_argument("run_world: world_size must be >= 1; got " + std::to_string(world_size));
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world_size);
-  // Every rank's group lives until every rank is done: Gloo's rendezvous is not a barrier, and a rank that finished
+  // Every rank's groups live until every rank is done: Gloo's rendezvous is not a barrier, and a rank that finished
   // first and closed its connections made a slower rank's rendezvous fail ("Connection closed by peer").
-  std::vector<std::shared_ptr<Communicator>> comms(world_size);
+  std::vector<std::unique_ptr<World>> worlds(world_size);
   std::vector<std::thread> threads;
   threads.reserve(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        comms[rank] = make_communicator(store, rank, world_size, "world", options);
-        fn(*comms[rank]);
+        worlds[rank] = std::make_unique<World>(store, rank, world_size, options);
+        fn(*worlds[rank]);
       } catch (const std::exception& e) {
         errors[rank] = e.what();
       } catch (...) {
@@ -33,9 +33,14 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, con
     });
   }
   for (auto& t : threads) t.join();
-  comms.clear();
+  worlds.clear();
   for (int rank = 0; rank < world_size; ++rank)
     if (!errors[rank].empty()) throw std::runtime_error("rank " + std::to_string(rank) + ": " + errors[rank]);
+}
+
+void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, const GroupOptions& options) {
+  run_world(
+      world_size, [&](World& world) { fn(world.world()); }, options);
 }
 
 }  // namespace shardlab

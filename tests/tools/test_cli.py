@@ -59,6 +59,16 @@ expect([shardlab, "--help"], 0, "shardlab compare")
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")
 expect([launcher, "-n", "2", "true"], 2, "--")
 expect([launcher, "-n", "2", "--", "sh", "-c", "exit $RANK"], 1, "rank 1")
+expect([launcher, "-n", "2", "--nnodes", "2", "--", "true"], 2, "expected --master-port with --nnodes 2")
+expect([launcher, "-n", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "--", "true"], 2,
+       "expected --node-rank in 0..1 (--nnodes 2), got 2")
+expect([launcher, "-n", "2", "--master-addr", "", "--", "true"], 2, "--master-addr")
+# Node 1 of 2: its ranks are 2 and 3 of 4, local ranks 0 and 1, GROUP_RANK 1; the output names global ranks.
+expect([launcher, "-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29500", "--", "sh", "-c",
+        "echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK; exit $LOCAL_RANK"], 1,
+       "rank 3 exited with code 1")
+expect([launcher, "-n", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "29500", "--", "sh", "-c",
+        "echo env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK"], 0, "[rank 3] env 3 4 1 2 1")
 
 
 def interrupt_stops_every_rank():

@@ -25,9 +25,10 @@ namespace {
 // Bytes this rank sends for collective `r` under the ring algorithms (the lower bounds: all-gather and
 // reduce-scatter (N-1)/N of the whole tensor, all-reduce twice that), from the payload the record holds: an
 // all-gather's input is one of N chunks; the ring reduce-scatter records what it sent; an all-reduce (also the
-// reduce-scatter fallback) and a native reduce-scatter record their whole input.
-double sent_bytes(const CollectiveRecord& r, int world) {
-  const double n = world, bytes = static_cast<double>(r.bytes);
+// reduce-scatter fallback) and a native reduce-scatter record their whole input. N is the size of the group the
+// collective ran on.
+double sent_bytes(const CollectiveRecord& r) {
+  const double n = r.group_size, bytes = static_cast<double>(r.bytes);
   if (r.wire_op.rfind("all_gather", 0) == 0) return (n - 1) * bytes;
   if (r.wire_op == "reduce_scatter(ring)") return bytes;
   if (r.wire_op == "reduce_scatter") return (n - 1) / n * bytes;
@@ -148,7 +149,7 @@ int run_worker(const RunOptions& options) {
       }
       collectives += 1;
       bytes += static_cast<double>(r.bytes);
-      sent += sent_bytes(r, world);
+      sent += sent_bytes(r);
     }
     const auto waits = comm->recorder().waits();
     comm_ns = comm_time(records, waits, first_step_ns, last_step_ns);

@@ -39,6 +39,10 @@ struct RankEnv {
   static RankEnv from_environment();
 };
 
+/// `options` as a process launched with `env` needs them: across machines (MASTER_ADDR not this host's loopback)
+/// Gloo binds to this host's default device instead of 127.0.0.1, so that the others can reach it.
+GroupOptions reachable(const RankEnv& env, GroupOptions options);
+
 /// Creates a Communicator for `rank` of `size` that rendezvous through `store` under the key prefix `name`.
 /// Several groups may share one store as long as their names differ.
 std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -4,6 +4,7 @@
 /// group, all rendezvousing through one shared HashStore.
 
 #include "shardlab/common/process_group.h"
+#include "shardlab/common/world.h"
 
 #include <functional>
 
@@ -14,5 +15,10 @@ namespace shardlab {
 /// @throws std::runtime_error "rank R: <what>" for the first rank (lowest index) whose `fn` threw; the other ranks'
 ///         collectives then fail by their timeout (options.timeout), so nothing hangs.
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, const GroupOptions& options = {});
+
+/// Runs `fn(world)` on `world_size` threads, rank r getting the World of rank r over one fresh HashStore, and joins
+/// them; `fn` makes the groups it needs (World::world, World::group, Mesh). Every rank's World, with its groups,
+/// lives until every rank is done. Errors as run_ranks.
+void run_world(int world_size, const std::function<void(World&)>& fn, const GroupOptions& options = {});
 
 }  // namespace shardlab
