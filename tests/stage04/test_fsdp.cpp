@@ -417,7 +417,7 @@ TEST(FullyShardedModel, CompressedHooksReduceScatterInTheirDtypeAndTrainCloseToF
         [&](Communicator& comm) {
           auto model = make_model(c, at::kCPU);
           Options options;
-          options.hook = hook;
+          options.reducer = hook_reducers(hook);
           FullyShardedModel fsdp(model, comm, options);
           const size_t start = comm.recorder().size();
           test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
@@ -439,6 +439,99 @@ TEST(FullyShardedModel, CompressedHooksReduceScatterInTheirDtypeAndTrainCloseToF
     std::cout << hook << " hook vs the f32 reference: max |param diff| = " << diff << "\n";
     EXPECT_LT(diff, 2e-3) << hook;
     EXPECT_GT(diff, 0) << hook << ": a half-size reduction cannot be bit-identical to f32";
+  }
+}
+
+// The reduction is a per-unit object (Options::reducer, the seam stage 06's HSDP plugs into): FSDP asks the factory
+// once per unit, in units() order, with the unit's shard group; each backward calls every unit's reducer once, with
+// S rows of the unit's padded gradients; a reducer that wraps the default one trains bit for bit like the default.
+// A factory that gives no reducer is an error naming the unit, raised before any parameter is touched.
+class CountingReducer final : public GradientReducer {
+ public:
+  CountingReducer(std::shared_ptr<GradientReducer> inner, std::vector<std::string>* calls, std::string unit)
+      : inner_(std::move(inner)), calls_(calls), unit_(std::move(unit)) {}
+  Handle operator()(const at::Tensor& input, const at::Tensor& output) override {
+    calls_->push_back(unit_ + ":" + std::to_string(input.numel()) + "/" + std::to_string(output.numel()));
+    return (*inner_)(input, output);
+  }
+  int64_t scratch_bytes(c10::ScalarType dtype, int64_t numel, c10::Device device) const override {
+    return inner_->scratch_bytes(dtype, numel, device);
+  }
+  std::string name() const override { return "counting"; }
+
+ private:
+  std::shared_ptr<GradientReducer> inner_;
+  std::vector<std::string>* calls_;
+  std::string unit_;
+};
+
+TEST(FullyShardedModel, EachUnitGetsItsOwnReducerFromTheFactory) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 2;
+  c.global_batch = 8;
+  std::vector<at::Tensor> plain_finals, counted_finals;
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto plain_model = make_model(c, at::kCPU);
+        FullyShardedModel plain(plain_model, comm);
+        test_support::train_steps(comm, c, plain.parameters(), at::kCPU, plain);
+        auto plain_full = on_cpu(plain.full_parameters());
+
+        std::vector<std::string> requests, calls;
+        Options options;
+        options.reducer = [&](const ReducerRequest& request) -> std::shared_ptr<GradientReducer> {
+          EXPECT_EQ(request.shard_group, &comm) << request.unit << ": the unit is sharded over the wrapper's group";
+          requests.push_back(request.unit + "#" + std::to_string(request.index));
+          return std::make_shared<CountingReducer>(hook_reducers("reduce_scatter")(request), &calls, request.unit);
+        };
+        auto model = make_model(c, at::kCPU);
+        FullyShardedModel fsdp(model, comm, options);
+        std::vector<std::string> expected_requests, expected_calls;
+        for (size_t u = 0; u < fsdp.units().size(); ++u) {
+          const FsdpUnit& unit = *fsdp.units()[u];
+          expected_requests.push_back(unit.name() + "#" + std::to_string(u));
+          int64_t row = 0;
+          for (const auto& fp : unit.params())
+            if (fp.trainable) row += fp.spec.padded_numel();
+          expected_calls.push_back(unit.name() + ":" + std::to_string(2 * row) + "/" + std::to_string(row));
+        }
+        EXPECT_EQ(requests, expected_requests) << "one request per unit, in units() order";
+        test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
+        std::multiset<std::string> got(calls.begin(), calls.end()), want;
+        for (int step = 0; step < c.steps; ++step) want.insert(expected_calls.begin(), expected_calls.end());
+        EXPECT_EQ(got, want) << "every unit's reducer once per step, with 2 rows of its padded gradients";
+        auto counted_full = on_cpu(fsdp.full_parameters());
+        if (comm.rank() == 0) {
+          plain_finals = plain_full;
+          counted_finals = counted_full;
+        }
+
+        Options none;
+        none.reducer = [](const ReducerRequest&) { return std::shared_ptr<GradientReducer>(); };
+        auto untouched = make_model(c, at::kCPU);
+        const at::Tensor first = untouched->parameters().front();
+        const at::Tensor before = first.detach().clone();
+        try {
+          FullyShardedModel broken(untouched, comm, none);
+          ADD_FAILURE() << "a factory that gives no reducer was accepted";
+        } catch (const std::invalid_argument& e) {
+          const std::string what = e.what();
+          std::cout << "null reducer: " << what << "\n";
+          EXPECT_NE(what.find("no reducer for unit"), std::string::npos) << what;
+        }
+        EXPECT_TRUE(at::equal(first, before)) << "the failed construction changed no parameter";
+      },
+      test_group());
+  const double diff = max_abs_diff(counted_finals, plain_finals);
+  std::cout << "wrapped reducer vs the default: max |param diff| = " << diff << "\n";
+  EXPECT_EQ(diff, 0) << "a reducer that wraps the default one computes what the default computes";
+  try {
+    hook_reducers("allreduce");
+    ADD_FAILURE() << "the all-reduce hook has no reduce-scatter form, yet it was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected reduce_scatter, fp16 or bf16"), std::string::npos) << e.what();
   }
 }
 

@@ -34,7 +34,9 @@ std::vector<std::pair<std::string, at::Tensor>> named(torch::nn::Module& m) {
   return out;
 }
 
-comm_hooks::CommHook rs_hook(Communicator& comm) { return comm_hooks::make_hook("reduce_scatter", comm); }
+std::shared_ptr<GradientReducer> rs_hook(Communicator& comm) {
+  return hook_reducer(comm_hooks::make_hook("reduce_scatter", comm));
+}
 
 class UnitWorlds : public ::testing::TestWithParam<int> {};
 

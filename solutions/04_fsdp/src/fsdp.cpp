@@ -58,21 +58,10 @@ const char* to_string(SchedulePoint point) {
   return "?";
 }
 
-namespace {
-
-bool is_reduce_scatter_hook(const std::string& name) {
-  return name == "reduce_scatter" || name == "fp16" || name == "bf16";
-}
-
-}  // namespace
-
 FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options)
     : model_(std::move(model)), comm_(comm), options_(std::move(options)) {
   if (!model_) throw std::invalid_argument("FullyShardedModel: expected a model; got a null pointer");
-  if (!is_reduce_scatter_hook(options_.hook))
-    throw std::invalid_argument("FullyShardedModel: hook '" + options_.hook +
-                                "' cannot reduce-scatter; expected reduce_scatter, fp16 or bf16");
-  const comm_hooks::CommHook hook = comm_hooks::make_hook(options_.hook, comm_);
+  if (!options_.reducer) options_.reducer = hook_reducers("reduce_scatter");
   if (options_.pool_buffers) pool_ = std::make_unique<BufferPool>();  // CPU buffers only; CUDA has its own cache
 
   // Which unit owns each parameter: the model's units in order, then the root (index = number of units).
@@ -125,16 +114,25 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     FsdpUnit::validate(slots[u].name, groups[u]);
   }
   if (!groups[root].empty()) FsdpUnit::validate("root", groups[root]);
+  // One reducer per unit (and the root), in units() order; all of them before any unit exists.
+  has_root_ = !groups[root].empty();
+  std::vector<std::shared_ptr<GradientReducer>> reducers(root + 1);
+  for (size_t u = 0; u <= root; ++u) {
+    if (u == root && !has_root_) break;
+    const std::string name = u == root ? "root" : slots[u].name;
+    reducers[u] = options_.reducer(ReducerRequest{name, u, &comm_});
+    if (!reducers[u])
+      throw std::invalid_argument("FullyShardedModel: Options::reducer gave no reducer for unit '" + name +
+                                  "'; expected one per unit");
+  }
   // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
   naive_ddp::broadcast_state(*model_, comm_);
-  for (size_t u = 0; u < root; ++u) {
-    units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision, hook, meter_,
-                                                pool_.get()));
-  }
-  has_root_ = !groups[root].empty();
+  for (size_t u = 0; u < root; ++u)
+    units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision,
+                                                std::move(reducers[u]), meter_, pool_.get()));
   if (has_root_)
-    units_.push_back(
-        std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision, hook, meter_, pool_.get()));
+    units_.push_back(std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision,
+                                                std::move(reducers[root]), meter_, pool_.get()));
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->set_event_sink([this, u](UnitEventKind kind) {
       const uint64_t seq = events_++;

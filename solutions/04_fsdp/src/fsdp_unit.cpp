@@ -92,9 +92,11 @@ const char* to_string(UnitState state) {
 }
 
 FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
-                   const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter, BufferPool* pool)
-    : name_(std::move(name)), comm_(comm), hook_(std::move(hook)), meter_(meter), pool_(pool) {
+                   const MixedPrecision& policy, std::shared_ptr<GradientReducer> reducer, MemoryMeter& meter,
+                   BufferPool* pool)
+    : name_(std::move(name)), comm_(comm), reducer_(std::move(reducer)), meter_(meter), pool_(pool) {
   validate(name_, params);
+  if (!reducer_) throw std::invalid_argument("FsdpUnit '" + name_ + "': expected a gradient reducer; got null");
   const at::Tensor& first = params.front().second;
   dtypes_ = resolve_dtypes(policy, first.scalar_type());
   const int world = comm_.size(), rank = comm_.rank();
@@ -217,7 +219,7 @@ int64_t FsdpUnit::reduce_bytes() const {
   if (grad_row_numel_ == 0) return 0;
   const int64_t input = comm_.size() * grad_row_numel_;
   return (input + grad_row_numel_) * static_cast<int64_t>(c10::elementSize(dtypes_.reduce)) +
-         comm_hooks::reduce_scatter_scratch_bytes(hook_, dtypes_.reduce, input, sharded_flat_.device());
+         reducer_->scratch_bytes(dtypes_.reduce, input, sharded_flat_.device());
 }
 
 at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
@@ -347,7 +349,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   at::NoGradGuard no_grad;
   at::Tensor input = new_buffer(world * grad_row_numel_, dtypes_.reduce).view({world, grad_row_numel_});
   at::Tensor output = new_buffer(grad_row_numel_, dtypes_.reduce);
-  const int64_t transient = reduce_bytes();  // with the hook's and the Communicator's copies
+  const int64_t transient = reduce_bytes();  // with the reducer's copies
   meter_.allocate(MemoryKind::kGrads, transient);
   // BEGIN SOLUTION(04): rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them
   for (size_t k = 0; k < params_.size(); ++k) {
@@ -376,7 +378,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
     release_gradient(k);
   }
   // END SOLUTION
-  Handle reduced = hook_(input.view({-1}), output);
+  Handle reduced = (*reducer_)(input.view({-1}), output);
   emit(UnitEventKind::kReduceLaunched);
   return std::move(reduced).then([this, input, output, transient, generation = generation_] {
     at::NoGradGuard no_grad;

@@ -27,13 +27,13 @@
 /// FSDP homework (unshard / wait_for_unshard / reshard, pre/post forward and backward hooks), ZeRO (Rajbhandari et
 /// al., 2019), FSDP (Zhao et al., VLDB 2023).
 
-#include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
 #include "shardlab/fsdp/fsdp_unit.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
+#include "shardlab/fsdp/reducer.h"
 #include "shardlab/naive_ddp/no_sync.h"
 
 #include <cstdint>
@@ -93,8 +93,9 @@ struct Options {
   bool reshard_after_forward = true;        ///< units: free after forward, gather again in backward
   bool root_reshard_after_forward = false;  ///< the root: FSDP2 keeps it gathered until its backward
   MixedPrecision mixed_precision;           ///< param / reduce dtypes (default: none, all original)
-  std::string hook = "reduce_scatter";      ///< stage 03 hook for gradients: reduce_scatter (average in the
-                                            ///< reduce dtype), fp16 or bf16 (compressed on the wire)
+  ReducerFactory reducer;                   ///< makes each unit's gradient reducer (empty: stage 03's
+                                            ///< reduce_scatter hook, the average in the reduce dtype, on the
+                                            ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
   bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
   bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
                                             ///< instead of malloc and free every step (Note [Why FSDP pools its
@@ -149,7 +150,8 @@ class FullyShardedModel {
   /// Broadcasts the model's state from rank 0, shards every unit and the root, and puts itself into the units'
   /// slots.
   /// @throws std::invalid_argument for a null model, a parameter FSDP cannot shard (scalar, non-contiguous:
-  ///         named), a parameter shared by two units, or a unit with mixed dtypes.
+  ///         named), a parameter shared by two units, a unit with mixed dtypes, or a reducer factory that gives
+  ///         no reducer.
   FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options = {});
   ~FullyShardedModel();
   FullyShardedModel(const FullyShardedModel&) = delete;

@@ -23,17 +23,18 @@
 ///  - unsharded:  every gathered parameter holds the full values (bit for bit the shards, cast to param dtype).
 /// begin_unshard / finish_unshard are split so that stage 05 can issue the next unit's all-gather early.
 
-#include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/common/buffer_pool.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
+#include "shardlab/fsdp/reducer.h"
 #include "shardlab/fsdp/shard_layout.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -87,14 +88,16 @@ class FsdpUnit {
   /// @param params (the model's name, the registered tensor) of every parameter of the unit, each once.
   /// @param comm the shard group; every rank of it constructs the same unit.
   /// @param policy mixed precision; resolved per unit with resolve_dtypes.
-  /// @param hook stage 03's reduce-scatter-form hook the gradients go through (fp32 average, fp16, bf16).
+  /// @param reducer what the gradients go through (stage 03's reduce-scatter hooks through hook_reducer: fp32
+  ///        average, fp16, bf16; HSDP's in stage 06). It reduces over `comm` and whatever groups it holds itself.
   /// @param meter counts every buffer the unit allocates and frees.
   /// @param pool where the unit's buffers come from (CPU tensors only; null: the device's allocator). It must
   ///        outlive the unit. See Note [Why FSDP pools its buffers] in common.
   /// @throws std::invalid_argument naming the parameter for a scalar, a non-contiguous or a non-dense parameter,
-  ///         for parameters of different dtypes or devices in one unit, and for an empty unit.
+  ///         for parameters of different dtypes or devices in one unit, for an empty unit and for a null reducer.
   FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
-           const MixedPrecision& policy, comm_hooks::CommHook hook, MemoryMeter& meter, BufferPool* pool = nullptr);
+           const MixedPrecision& policy, std::shared_ptr<GradientReducer> reducer, MemoryMeter& meter,
+           BufferPool* pool = nullptr);
   ~FsdpUnit();
   FsdpUnit(const FsdpUnit&) = delete;
   FsdpUnit& operator=(const FsdpUnit&) = delete;
@@ -147,8 +150,8 @@ class FsdpUnit {
   /// Bytes of the unsharded gradients of the trainable parameters (param dtype), all of them at once.
   int64_t unsharded_grad_bytes() const;
   /// Bytes a reduce-scatter of this unit holds while in flight: its input (S rows of the padded gradients) and
-  /// output (one row) in the reduce dtype, and the hook's and the Communicator's private copies
-  /// (comm_hooks::reduce_scatter_scratch_bytes). 0 for a unit without trainable parameters.
+  /// output (one row) in the reduce dtype, and the reducer's private copies
+  /// (GradientReducer::scratch_bytes). 0 for a unit without trainable parameters.
   int64_t reduce_bytes() const;
 
   /// Counts params()[k]'s unsharded gradient in the meter (once, until it is reduced or stashed). Called by the
@@ -159,7 +162,7 @@ class FsdpUnit {
   /// otherwise they stay in `.grad()`, where autograd keeps adding.
   void stash_gradients();
   /// Lays every trainable parameter's unsharded gradient (plus what stash_gradients kept) out rank-major in the
-  /// reduce dtype, frees them, and reduce-scatters through the hook. When the returned handle's `wait()` returns,
+  /// reduce dtype, frees them, and reduces them through the reducer. When the returned handle's `wait()` returns,
   /// each sharded parameter's `.grad()` holds (or has been increased by) the average over ranks of its rows, in
   /// the original dtype. A trainable parameter with no gradient at all counts as zero and is appended to
   /// `missing` (when non-null). A collective.
@@ -193,7 +196,7 @@ class FsdpUnit {
   std::string name_;
   Communicator& comm_;
   UnitDtypes dtypes_;
-  comm_hooks::CommHook hook_;
+  std::shared_ptr<GradientReducer> reducer_;
   MemoryMeter& meter_;
   BufferPool* pool_;  // null: the device's allocator
   std::vector<FsdpParam> params_;
