@@ -138,6 +138,7 @@ Handle& Handle::operator=(Handle&& other) {  // NOLINT(performance-noexcept-move
   what_ = std::move(other.what_);
   timeout_ = other.timeout_;
   error_ = std::move(other.error_);
+  advance_ = std::move(other.advance_);
   done_ = std::exchange(other.done_, true);
   return *this;
 }
@@ -201,8 +202,69 @@ Handle Handle::then(std::function<void()> next) && {
   };
   Handle h(std::move(work_), std::move(chained), std::move(what_), timeout_);
   h.error_ = std::move(error_);
+  h.advance_ = std::move(advance_);
   done_ = true;
   return h;
+}
+
+// Note [Advancing a chained reduction]
+// A two-phase reduction (HSDP: reduce-scatter within the shard group, all-reduce of the result across the replicas)
+// cannot chain its second collective with then(): a then() step runs at wait(), and its owner (FSDP) waits for a
+// reduction only when it must, so the all-reduce would start late, and a wait() before the next reduce-scatter
+// would hold the host until the all-reduce is over. then_issue() splits the wait: advance() waits for the first
+// collective and issues the second; wait() finishes the rest. FSDP advances the previous unit's reduction before it
+// issues the next unit's reduce-scatter (the host waited there already in stage 04, for the reduce-scatter's
+// buffers) and waits for all of them at the end of backward. Every rank advances in the same order, so each
+// group's collectives come in the same order on every rank ((unit, phase) order), whatever the timing.
+Handle Handle::then_issue(std::function<Handle()> issue) && {
+  struct Chain {
+    Handle first;
+    std::function<Handle()> issue;
+    Handle second;
+    bool issued = false;
+    std::exception_ptr error;  // what issue() threw: every later advance rethrows it
+  };
+  auto chain = std::make_shared<Chain>();
+  std::string what = what_ + ", then its second collective";
+  const std::chrono::milliseconds timeout = timeout_;
+  chain->first = std::move(*this);
+  chain->issue = std::move(issue);
+  auto advance = [chain] {
+    if (chain->error) std::rethrow_exception(chain->error);
+    if (chain->issued) return;
+    chain->first.wait();   // a failure sticks in `first`: the next advance rethrows it
+    chain->issued = true;  // issue() runs once: a throwing one is not retried, its error sticks
+    try {
+      if (chain->issue) chain->second = chain->issue();
+    } catch (...) {
+      chain->error = std::current_exception();
+      throw;
+    }
+  };
+  Handle h(
+      c10::intrusive_ptr<compat::Work>(),
+      [chain, advance] {
+        advance();
+        chain->second.wait();
+      },
+      std::move(what), timeout);
+  h.advance_ = advance;
+  return h;
+}
+
+void Handle::advance() {
+  if (error_) std::rethrow_exception(error_);
+  if (done_) return;
+  if (!advance_) {
+    wait();
+    return;
+  }
+  try {
+    advance_();
+  } catch (...) {
+    error_ = std::current_exception();
+    throw;
+  }
 }
 
 Communicator::Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,

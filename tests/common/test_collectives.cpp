@@ -1,6 +1,7 @@
 // Tests of the Communicator on real Gloo process groups, ranks as threads: results, fallbacks, the collective
 // record, asynchrony, the barrier, argument validation and timeouts; Handle's rules; comm_time.
 #include "shardlab/common/thread_ranks.h"
+#include "shardlab/common/world.h"
 #include "support/delayed_backend.h"
 #include "support/device.h"
 #include "support/group.h"
@@ -576,6 +577,57 @@ TEST(Handle, MoveAssigningOntoAPendingHandleThrowsNamingItsOpAndMovesNothing) {
   pending.wait();
   EXPECT_EQ(second, 1);
   EXPECT_EQ(first, 1);
+}
+
+// then_issue: the second collective starts at advance() (once, after the first landed), not at then_issue() and not
+// only at wait(); wait() finishes both and runs the steps chained after them; a plain handle's advance() is its
+// wait(); a failing issue() sticks and is never retried. Two ranks, two groups: the order of each group's
+// collectives is the same on both.
+TEST(Handle, ThenIssueStartsTheSecondCollectiveAtAdvanceOnceAndWaitFinishesBoth) {
+  run_world(
+      2,
+      [](World& world) {
+        Communicator& all = world.world();
+        Communicator& other = world.group("pair", {0, 1});
+        const double r = all.rank() + 1;
+        at::Tensor x = at::full({4}, r), y = at::full({3}, 10 * r);
+        std::vector<std::string> steps;
+        const size_t start = all.recorder().size();
+        Handle chained = all.all_reduce(x)
+                             .then_issue([&] {
+                               steps.push_back("issue");
+                               return other.all_reduce(y);
+                             })
+                             .then([&] { steps.push_back("after"); });
+        EXPECT_TRUE(steps.empty()) << "nothing is issued before advance()";
+        EXPECT_FALSE(chained.done());
+        chained.advance();
+        chained.advance();
+        EXPECT_EQ(steps, std::vector<std::string>{"issue"}) << "advance() issues the second collective once";
+        EXPECT_TRUE(at::equal(x, at::full({4}, 3.0))) << "the first collective landed before the second was issued";
+        EXPECT_FALSE(chained.done()) << "the second is still to be waited for";
+        chained.wait();
+        EXPECT_EQ(steps, (std::vector<std::string>{"issue", "after"}));
+        EXPECT_TRUE(at::equal(y, at::full({3}, 30.0))) << y;
+        std::vector<std::string> groups;
+        for (const auto& rec : all.recorder().since(start)) groups.push_back(rec.group);
+        EXPECT_EQ(groups, (std::vector<std::string>{all.name(), other.name()})) << "first on the world, then the pair";
+
+        Handle plain = all.all_reduce(x);
+        plain.advance();
+        EXPECT_TRUE(plain.done()) << "a one-collective handle's advance() is its wait()";
+
+        int issued = 0;
+        Handle failing = all.all_reduce(x).then_issue([&]() -> Handle {
+          ++issued;
+          throw std::runtime_error("issue failed");
+        });
+        EXPECT_THROW(failing.advance(), std::runtime_error);
+        EXPECT_THROW(failing.advance(), std::runtime_error) << "the failure sticks";
+        EXPECT_THROW(failing.wait(), std::runtime_error) << "and wait() reports it";
+        EXPECT_EQ(issued, 1) << "a failed issue() is never retried";
+      },
+      test_group());
 }
 
 // comm_time: busy is the union of the closed collectives' spans, exposed the part of it inside the waits (their

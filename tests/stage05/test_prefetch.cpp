@@ -72,34 +72,26 @@ TEST(PrefetchOrders, ExpectedForwardOrderIsRegistrationRootFirstThenTheLastForwa
       test_group());
 }
 
-// A schedule that only writes down where it was called, around a PrefetchSchedule.
+// A schedule that only writes down where backward met the units, and what backward_order said then (task 1 alone:
+// it prefetches nothing).
 class Spy : public fsdp::UnshardSchedule {
  public:
-  explicit Spy(std::shared_ptr<PrefetchSchedule> inner) : inner_(std::move(inner)) {}
-  void begin_iteration(FullyShardedModel& f) override { inner_->begin_iteration(f); }
   void at(SchedulePoint point, size_t u, FullyShardedModel& f) override {
-    if (point == SchedulePoint::kPreBackward) {
-      pre_backward.push_back(u);
-      orders_seen.push_back(backward_order(f));
-    }
-    inner_->at(point, u, f);
+    if (point != SchedulePoint::kPreBackward) return;
+    pre_backward.push_back(u);
+    orders_seen.push_back(backward_order(f));
   }
-  void end_forward(FullyShardedModel& f) override { inner_->end_forward(f); }
-  int max_ahead() const override { return inner_->max_ahead(); }
   std::vector<size_t> pre_backward;
   std::vector<std::vector<size_t>> orders_seen;
-
- private:
-  std::shared_ptr<PrefetchSchedule> inner_;
 };
 
-TEST(PrefetchOrders, BackwardMeetsTheUnitsInReversePostForwardOrderRootFirst) {
+TEST(PrefetchOrders, BackwardOrderIsTheOrderThePreBackwardHooksFireInRootFirst) {
   run_ranks(
       2,
       [&](Communicator& comm) {
         auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{2, 0, 3, 1});
         FullyShardedModel fsdp(model, comm);
-        auto spy = std::make_shared<Spy>(std::make_shared<PrefetchSchedule>(fsdp, PrefetchPolicy{}));
+        auto spy = std::make_shared<Spy>();
         fsdp.set_schedule(spy);
         at::Tensor loss = fsdp.loss(chain_batch(0, comm));
         const size_t root = fsdp.root_index();
@@ -114,9 +106,72 @@ TEST(PrefetchOrders, BackwardMeetsTheUnitsInReversePostForwardOrderRootFirst) {
 }
 
 // A frozen block on the raw input makes an output that needs no gradient: no pre-backward hook, never met in
-// backward. The backward order leaves it out; depth 1 then gathers in backward exactly what stage 04 gathers, one
-// all-gather per block met, and never the frozen one.
+// backward. The backward order leaves it out, and backward meets the others in that order.
 TEST(PrefetchOrders, AUnitWhoseOutputNeedsNoGradientIsNotInTheBackwardOrder) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3}, /*dim=*/16);
+        model->set_run_order({0, 1, 3});
+        model->set_first_on_input(2);
+        for (auto& item : model->named_parameters())
+          if (item.key().rfind("block2.", 0) == 0) item.value().requires_grad_(false);
+        FullyShardedModel fsdp(model, comm);
+        auto spy = std::make_shared<Spy>();
+        fsdp.set_schedule(spy);
+        at::Tensor loss = fsdp.loss(chain_batch(0, comm));
+        const size_t root = fsdp.root_index();
+        ASSERT_FALSE(fsdp.awaits_backward(2)) << "block2's output needs no gradient";
+        const std::vector<size_t> expected{root, 3, 1, 0};
+        EXPECT_EQ(backward_order(fsdp), expected) << "got " << joined(names_of(fsdp, backward_order(fsdp)));
+        loss.backward();
+        EXPECT_EQ(spy->pre_backward, expected)
+            << "backward met the units in " << joined(names_of(fsdp, spy->pre_backward));
+      },
+      test_group());
+}
+
+// ---- Task 2: the targets ------------------------------------------------------------------------------------
+
+TEST(PrefetchTargets, NextDepthUnitsOfThePointsOrderOrTheUnitsOwnList) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3});
+        FullyShardedModel fsdp(model, comm);
+        const size_t root = fsdp.root_index();
+        using V = std::vector<size_t>;
+        PrefetchPolicy two;
+        two.forward_depth = 2;
+        two.backward_depth = 3;
+        two.forward_lists["block1"] = {"block3", "root"};
+        two.backward_lists["root"] = {"block0"};
+        two.forward_lists["block0"] = {};  // a list that names nothing: block0 prefetches nothing (not its depth)
+        PrefetchSchedule one(fsdp, PrefetchPolicy{}), deep(fsdp, two);
+        EXPECT_EQ(one.targets(SchedulePoint::kPreForward, root, fsdp), V{0}) << "root: the first block";
+        EXPECT_EQ(one.targets(SchedulePoint::kPreForward, 2, fsdp), V{3});
+        EXPECT_EQ(one.targets(SchedulePoint::kPreForward, 3, fsdp), V{}) << "the last unit: nothing after it";
+        EXPECT_EQ(one.targets(SchedulePoint::kPostForward, 0, fsdp), V{}) << "post-forward prefetches nothing";
+        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, root, fsdp), (V{0, 1}));
+        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, 2, fsdp), V{3}) << "depth 2, but only one unit is left";
+        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, 1, fsdp), (V{3, root})) << "block1's own list, in order";
+        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, 0, fsdp), V{}) << "block0's own list is empty";
+        at::Tensor loss = fsdp.loss(chain_batch(0, comm));
+        EXPECT_EQ(one.targets(SchedulePoint::kPreBackward, root, fsdp), V{3}) << "backward: root first, then block3";
+        EXPECT_EQ(one.targets(SchedulePoint::kPreBackward, 1, fsdp), V{0});
+        EXPECT_EQ(one.targets(SchedulePoint::kPreBackward, 0, fsdp), V{}) << "block0's backward is the last";
+        EXPECT_EQ(deep.targets(SchedulePoint::kPreBackward, 3, fsdp), (V{2, 1, 0}));
+        EXPECT_EQ(deep.targets(SchedulePoint::kPreBackward, root, fsdp), V{0}) << "the root's own backward list";
+        loss.backward();
+      },
+      test_group());
+}
+
+// ---- Task 3: the schedule -----------------------------------------------------------------------------------
+
+// The frozen block of the test above: depth 1, and explicit lists that name it, gather in backward exactly what
+// stage 04 gathers, one all-gather per block met, and never the frozen one.
+TEST(PrefetchFrozen, BackwardNeverPrefetchesAUnitItWillNotMeet) {
   PrefetchPolicy listing;  // explicit backward lists, one of which names the frozen block
   listing.forward_depth = 0;
   listing.backward_depth = 0;
@@ -162,42 +217,6 @@ TEST(PrefetchOrders, AUnitWhoseOutputNeedsNoGradientIsNotInTheBackwardOrder) {
         test_group());
   }
 }
-
-// ---- Task 2: the targets ------------------------------------------------------------------------------------
-
-TEST(PrefetchTargets, NextDepthUnitsOfThePointsOrderOrTheUnitsOwnList) {
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3});
-        FullyShardedModel fsdp(model, comm);
-        const size_t root = fsdp.root_index();
-        using V = std::vector<size_t>;
-        PrefetchPolicy two;
-        two.forward_depth = 2;
-        two.backward_depth = 3;
-        two.forward_lists["block1"] = {"block3", "root"};
-        two.backward_lists["root"] = {"block0"};
-        PrefetchSchedule one(fsdp, PrefetchPolicy{}), deep(fsdp, two);
-        EXPECT_EQ(one.targets(SchedulePoint::kPreForward, root, fsdp), V{0}) << "root: the first block";
-        EXPECT_EQ(one.targets(SchedulePoint::kPreForward, 2, fsdp), V{3});
-        EXPECT_EQ(one.targets(SchedulePoint::kPreForward, 3, fsdp), V{}) << "the last unit: nothing after it";
-        EXPECT_EQ(one.targets(SchedulePoint::kPostForward, 0, fsdp), V{}) << "post-forward prefetches nothing";
-        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, root, fsdp), (V{0, 1}));
-        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, 2, fsdp), V{3}) << "depth 2, but only one unit is left";
-        EXPECT_EQ(deep.targets(SchedulePoint::kPreForward, 1, fsdp), (V{3, root})) << "block1's own list, in order";
-        at::Tensor loss = fsdp.loss(chain_batch(0, comm));
-        EXPECT_EQ(one.targets(SchedulePoint::kPreBackward, root, fsdp), V{3}) << "backward: root first, then block3";
-        EXPECT_EQ(one.targets(SchedulePoint::kPreBackward, 1, fsdp), V{0});
-        EXPECT_EQ(one.targets(SchedulePoint::kPreBackward, 0, fsdp), V{}) << "block0's backward is the last";
-        EXPECT_EQ(deep.targets(SchedulePoint::kPreBackward, 3, fsdp), (V{2, 1, 0}));
-        EXPECT_EQ(deep.targets(SchedulePoint::kPreBackward, root, fsdp), V{0}) << "the root's own backward list";
-        loss.backward();
-      },
-      test_group());
-}
-
-// ---- Task 3: the schedule -----------------------------------------------------------------------------------
 
 struct OrderCase {
   std::string name;
@@ -356,6 +375,29 @@ TEST_P(PrefetchLimit, HoldsAtEveryEventWithTheSameCollectivesOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage05, PrefetchLimit, ::testing::Values(1, 2));
+
+// The counters count what happened: a target that is a no-op (already in flight) is never counted as skipped for
+// the limit, even when the limit is reached; every target past the limit is. Six blocks, limit 3, explicit forward
+// lists (a list may be as long as the limit). Root: {block1, block2, block3}: three issued, the limit reached.
+// block0 (gathered by its own pre-forward): {block4, block1, block5}: block4 skipped, block1 in flight (a no-op),
+// block5 skipped. A schedule that checks the limit before the no-op counts 3.
+TEST(PrefetchCounters, ANoOpIsNeverSkippedForTheLimitAndEveryTargetPastTheLimitIs) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3, 4, 5});
+        FullyShardedModel fsdp(model, comm);
+        PrefetchPolicy policy = depths(0, 0, 3);
+        policy.forward_lists["root"] = {"block1", "block2", "block3"};
+        policy.forward_lists["block0"] = {"block4", "block1", "block5"};
+        auto schedule = enable_prefetch(fsdp, policy);
+        fsdp.loss(chain_batch(0, comm)).backward();
+        EXPECT_EQ(schedule->issued(), 3u) << "block1, block2, block3";
+        EXPECT_EQ(schedule->skipped_for_limit(), 2u) << "block4 and block5 at block0; block1, in flight, is a no-op";
+        EXPECT_EQ(schedule->cancelled(), 0u) << "every prefetched block ran";
+      },
+      test_group());
+}
 
 // The expected order is the last forward's; when the model then skips a block, the prefetch at the block before it
 // was for nothing. The end of the forward cancels it: its buffer is freed there, and it no longer holds the one

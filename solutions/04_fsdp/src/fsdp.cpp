@@ -284,7 +284,9 @@ void FullyShardedModel::cancel_unshard(size_t u) {
 
 void FullyShardedModel::wait_for_reduce(Handle& reduce) {
   const int64_t start = now_ns();
-  reduce.wait();
+  // advance(), not wait(): a two-phase reduction (stage 06's HSDP) issues its second collective here and goes on in
+  // flight; for a one-collective reduction it is wait(). See Note [Advancing a chained reduction] in common.
+  reduce.advance();
   comm_.recorder().record_wait("fsdp reduce", start, now_ns());
 }
 

@@ -5,16 +5,15 @@
 #include <algorithm>
 #include <string>
 
-// Note [The backward order is the reverse of the post-forward order]
+// Note [When backward meets a unit]
 // A unit's pre-backward hook sits on its output (stage 04's post_forward registers it), so it fires when the
 // gradient of that output is ready: autograd walks the graph from the loss back to the inputs, and an output made
-// later is reached earlier. The order in which the units' forwards *returned* (post-forward), reversed, is
-// therefore the order their pre-backward hooks fire. The pre-forward order would be wrong for a unit whose forward
-// encloses others: the root's forward is the whole loss(), so it begins first but returns last, and its hook (on
-// the loss) is the first of the backward. That is why the backward prefetches from the root to the last block,
-// then block by block towards the first: FSDP2's post_forward_order, walked backwards. A unit whose output needs no
-// gradient (frozen, on inputs that need none) registered no hook and is never met in backward
-// (FullyShardedModel::awaits_backward): it is left out, or its prefetch would be an all-gather stage 04 never makes.
+// later is reached earlier. A unit's forward may enclose others: the root's forward is the whole loss(), so it
+// begins first but its output (the loss) is made last, and its hook is the first of the backward. The schedule
+// needs this order before backward starts (to prefetch the first units' all-gathers), and it must be the same on
+// every rank, so it is derived from what the forward recorded, never by walking the graph. A unit whose output needs
+// no gradient (frozen, on inputs that need none) registered no hook and is never met in backward
+// (FullyShardedModel::awaits_backward): a prefetch of it would be an all-gather stage 04 never makes.
 //
 // Note [Prefetching only what every rank prefetches]
 // A prefetch is an all-gather: every rank of the group must issue it, in the same place of its sequence of
@@ -42,8 +41,8 @@ std::vector<size_t> expected_forward_order(const FullyShardedModel& fsdp) {
 }
 
 std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
-  // TODO(stage05): the order the pre-backward hooks fire in (Note [The backward order is the reverse of ...])
-  throw ::shardlab::NotImplemented("05", "the order the pre-backward hooks fire in (Note [The backward order is the reverse of ...])");
+  // TODO(stage05): the order the pre-backward hooks fire in (Note [When backward meets a unit])
+  throw ::shardlab::NotImplemented("05", "the order the pre-backward hooks fire in (Note [When backward meets a unit])");
 }
 
 PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy policy)

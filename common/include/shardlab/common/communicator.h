@@ -87,6 +87,7 @@ class Handle {
         what_(std::move(other.what_)),
         timeout_(other.timeout_),
         error_(std::move(other.error_)),
+        advance_(std::move(other.advance_)),
         done_(std::exchange(other.done_, true)) {}
   /// Moves the pending collective; the source becomes a completed handle. The handle overwritten must be done
   /// (waited for, moved from, or default-constructed): see Note [Overwriting a pending Handle] in communicator.cpp.
@@ -109,6 +110,17 @@ class Handle {
   /// step, then runs `next` on the waiting thread (e.g. a communication hook's post-divide or cast back).
   /// Consumes this handle. On an already-complete handle, `next` runs at the returned handle's `wait()`.
   Handle then(std::function<void()> next) &&;
+  /// Chains a second collective after this one (a two-phase reduction, such as HSDP's reduce-scatter in the shard
+  /// group and then all-reduce across the replicas): the returned handle's `advance()` waits for this collective
+  /// (its finish steps run) and then calls `issue` once, which starts the second and returns its handle; its `wait()`
+  /// advances, then waits for the second. Every rank that advances its handles in the same order issues the second
+  /// collectives in that order. Consumes this handle. A failure of either collective, or of `issue`, sticks.
+  Handle then_issue(std::function<Handle()> issue) &&;
+  /// Brings the collective to where its owner may issue its own next collective without waiting for the rest: for a
+  /// handle made by then_issue (and then() of one), it waits for the first collective and issues the second, once;
+  /// for any other handle it is wait(). The rest is waited for by wait(). See Note [Advancing a chained reduction].
+  /// @throws std::runtime_error as wait() does, and whatever `issue` threw; a failure sticks.
+  void advance();
 
  private:
   c10::intrusive_ptr<compat::Work> work_;
@@ -116,6 +128,7 @@ class Handle {
   std::string what_;
   std::chrono::milliseconds timeout_{0};
   std::exception_ptr error_;
+  std::function<void()> advance_;  // then_issue: wait for the first collective, issue the second (idempotent)
   bool done_ = true;
 };
 

@@ -44,9 +44,9 @@ class GradientReducer {
 
 /// What FullyShardedModel tells a ReducerFactory about the unit it wants a reducer for.
 struct ReducerRequest {
-  std::string unit;            ///< the unit's name ("block0", "root")
-  size_t index = 0;            ///< its index in FullyShardedModel::units()
-  Communicator* shard_group;   ///< the group the unit is sharded over (not owned; outlives the reducer)
+  std::string unit;           ///< the unit's name ("block0", "root")
+  size_t index = 0;           ///< its index in FullyShardedModel::units()
+  Communicator* shard_group;  ///< the group the unit is sharded over (not owned; outlives the reducer)
 };
 
 /// Makes the reducer of one unit. Called once per unit at construction, on every rank alike.

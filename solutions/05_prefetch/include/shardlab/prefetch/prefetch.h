@@ -8,9 +8,8 @@
 ///    come yet. It holds its all-gather buffer (not yet its gathered buffer: Note [Two buffers per unit]).
 ///  - *expected forward order*: the order the last forward met the units in (FullyShardedModel::
 ///    last_forward_order), or registration order, root first, before any forward ran.
-///  - *backward order*: the order backward meets the units' pre-backward hooks: the reverse of this forward's
-///    post-forward order. The root's hook is on the loss, so the root comes first; a unit that ran inside another
-///    (the root around every block) returns after it and so comes before it.
+///  - *backward order*: the order backward meets the units' pre-backward hooks (Note [When backward meets a unit]
+///    in prefetch.cpp). The root's hook is on the loss, so the root comes first.
 ///
 /// A PrefetchSchedule plugs into stage 04's extension point (fsdp::UnshardSchedule): FullyShardedModel calls it at
 /// each unit's pre-forward, post-forward and pre-backward, and it calls `FullyShardedModel::begin_unshard` for the
@@ -33,9 +32,10 @@ namespace shardlab::prefetch {
 /// forward's order, or, before the first, registration order with the root first (its forward is the whole loss).
 std::vector<size_t> expected_forward_order(const fsdp::FullyShardedModel& fsdp);
 
-/// The order this backward meets the units' pre-backward hooks in: the reverse of this forward's post-forward order
-/// (FullyShardedModel::post_forward_order), without the units that registered no hook (awaits_backward false: a
-/// prefetch of one would be a collective stage 04 never makes). Valid once the forward returned.
+/// The order in which this backward will meet the units' pre-backward hooks, for any model (blocks run in any
+/// order, units inside others), derived from what the forward recorded (FullyShardedModel's orders), without the
+/// units that registered no hook (awaits_backward false: a prefetch of one would be a collective stage 04 never
+/// makes). Valid once the forward returned.
 std::vector<size_t> backward_order(const fsdp::FullyShardedModel& fsdp);
 
 /// Issues all-gathers ahead of use, as a PrefetchPolicy says; FullyShardedModel's UnshardSchedule.
