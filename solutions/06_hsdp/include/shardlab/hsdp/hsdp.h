@@ -1,0 +1,30 @@
+#pragma once
+/// @file hsdp.h
+/// Stage 06 — hybrid sharded data parallelism (HSDP): FSDP within each replica of a 2-D mesh (a row: the S ranks of
+/// one machine, say), plain data parallelism across the replicas (the R rows). Parameters are sharded S ways, not
+/// N ways, so all-gathers and reduce-scatters stay inside a row; each gradient shard is then all-reduced across
+/// the R ranks that hold the same shard. FSDP2's `fully_shard(model, mesh=2-D DeviceMesh)`.
+///
+/// Per step, per unit: stage 04's all-gathers in the shard group, one reduce-scatter in the shard group and one
+/// all-reduce (of the shard's Σ padded numel) in the replicate group. Every rank trains exactly like one device on
+/// the union of all N ranks' batches, and the R ranks of a column hold bit-identical shards after every step.
+
+#include "shardlab/common/model.h"
+#include "shardlab/common/world.h"
+#include "shardlab/fsdp/fsdp.h"
+#include "shardlab/hsdp/hsdp_reducer.h"
+
+#include <memory>
+
+namespace shardlab::hsdp {
+
+/// Wraps `model` for HSDP on `mesh`: broadcasts rank 0's state over the whole world (so that every replica starts
+/// from the same values, not only every rank of a row), then shards it over the mesh's shard group with an
+/// HsdpReducer per unit. `options.reducer` must be empty (HSDP sets it); everything else of stage 04 and 05
+/// (mixed precision, reshard after forward, no_sync, prefetch through prefetch::enable_prefetch) works unchanged.
+/// The model and the mesh must outlive the wrapper. A collective on the whole world.
+/// @throws std::invalid_argument for a null model or a reducer already set in `options`, before any collective.
+std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
+                                                            fsdp::Options options = {}, Wire wire = Wire::kReduceDtype);
+
+}  // namespace shardlab::hsdp

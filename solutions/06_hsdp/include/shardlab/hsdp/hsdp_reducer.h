@@ -1,0 +1,78 @@
+#pragma once
+/// @file hsdp_reducer.h
+/// Stage 06, part 1 — HSDP's gradient reduction: within the shard group a reduce-scatter (each rank gets the sum of
+/// its rows over the S ranks that share its replica), then across the replicas an all-reduce of that row (the sum
+/// over the R ranks that hold the same shard), and one division by N = R · S.
+///
+/// Vocabulary (a mesh of R replicas × S shards, N = R · S ranks; see Mesh in common):
+///  - *shard group*: the S ranks of one replica (a row of the mesh); parameters are sharded over it.
+///  - *replicate group*: the R ranks that hold the same shard (a column); their shards must stay bit-identical.
+///  - *one divide*: the average over N ranks is computed as `sum(g / pre) / post` with pre · post = N, the factors
+///    of gradient_predivide_factor(N) (Note [Pre- and post-division] in stage 03): never once per group (a division
+///    by S and then by R rounds twice, and a reducer that forgets one of them trains R or S times too fast).
+///
+/// References: PyTorch FSDP2's HSDP (`fully_shard` on a 2-D DeviceMesh: foreach_reduce's reduce-scatter, then the
+/// all-reduce on the replicate group); the seed's HSDP gradient pre-divide (`../shared/seeds/003_*`).
+
+#include "shardlab/common/communicator.h"
+#include "shardlab/common/world.h"
+#include "shardlab/fsdp/reducer.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace shardlab::hsdp {
+
+/// The dtype a reduction communicates in.
+enum class Wire {
+  kReduceDtype,  ///< the gradients' reduce dtype, as they come (FSDP's MixedPrecision::reduce_dtype)
+  kFloat16,      ///< a half-size copy in fp16 on both phases (stage 03's fp16 hook, on two groups)
+  kBFloat16,     ///< a half-size copy in bf16 on both phases (Gloo 1.13 carries it as f32: Note [Fallbacks])
+};
+
+/// "reduce_scatter" -> kReduceDtype, "fp16", "bf16" (the names of stage 03's reduce-scatter hooks).
+/// @throws std::invalid_argument naming the accepted names.
+Wire parse_wire(const std::string& name);
+
+/// One unit's HSDP reduction: a reduce-scatter in `shard` and then an all-reduce in `replicate`, chained with
+/// Handle::then_issue, so that FSDP's advance() before the next unit's reduce-scatter issues this unit's all-reduce
+/// without waiting for it (Note [Advancing a chained reduction] in common).
+///
+/// Contract (GradientReducer's, over N = shard.size() · replicate.size() ranks):
+///  - `input` holds S rows of `output.numel()` elements (rank-major, flat, the reduce dtype); after the handle's
+///    `wait()`, `output` holds this rank's row of the mean over all N ranks, divided once (see the file comment);
+///    `input` is scratch.
+///  - A compressed wire (fp16/bf16) communicates in its dtype on both groups and casts the mean back into
+///    `output`'s dtype.
+///  - With one replica (R = 1) it is stage 04's reduction exactly: no all-reduce at all.
+///  - Every rank of both groups calls it for the same units in the same order.
+class HsdpReducer final : public fsdp::GradientReducer {
+ public:
+  /// `shard` and `replicate` must outlive the reducer and its handles.
+  HsdpReducer(Communicator& shard, Communicator& replicate, Wire wire = Wire::kReduceDtype);
+  /// Starts the reduce-scatter; the all-reduce follows at the handle's advance() (see the class comment).
+  /// @throws std::invalid_argument naming what was expected and what came: undefined, non-contiguous or
+  ///         non-floating tensors, different dtypes, or input.numel() != S · output.numel().
+  Handle operator()(const at::Tensor& input, const at::Tensor& output) override;
+  /// A compressed wire's copies (the cast input and the reduced row), and what the Communicator holds for the
+  /// reduce-scatter.
+  int64_t scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const override;
+  /// "hsdp", "hsdp_fp16", "hsdp_bf16".
+  std::string name() const override;
+  /// N: the ranks the mean is over.
+  int ranks() const { return shard_.size() * replicate_.size(); }
+
+ private:
+  Communicator& shard_;
+  Communicator& replicate_;
+  Wire wire_;
+};
+
+/// The ReducerFactory of HSDP on `mesh` (which must outlive what it makes): each unit gets an HsdpReducer on the
+/// mesh's shard and replicate groups. FullyShardedModel must be built on `mesh.shard_group()`.
+/// @throws std::invalid_argument (from a request) when a unit asks for a group other than the mesh's shard group.
+fsdp::ReducerFactory hsdp_reducers(Mesh& mesh, Wire wire = Wire::kReduceDtype);
+
+}  // namespace shardlab::hsdp

@@ -1,0 +1,98 @@
+#include "shardlab/hsdp/hsdp_reducer.h"
+
+#include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/errors.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+#include <utility>
+
+// Note [One divide over two groups]
+// The mean over N = R · S ranks is sum(g) / N. Summing in two steps (S ranks, then R) changes nothing about that: the
+// reduce-scatter leaves sum over the row, the all-reduce adds the rows. So the division is done once, split as in
+// stage 03 into a pre-divide of the input by pre = gradient_predivide_factor(N) and a post-divide of the result by
+// N / pre, after both collectives. Dividing by S after the reduce-scatter and by R after the all-reduce would also
+// give the mean, but with one more rounding (S = 3: 1/3 is not a power of two), fp16's range concerns per group
+// instead of for the whole sum, and a reducer that forgets one of the two trains R or S times too fast without any
+// error. With R = 1 the factors are stage 04's (N = S) and there is no all-reduce: HSDP on one replica is FSDP, bit
+// for bit.
+
+namespace shardlab::hsdp {
+namespace {
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  return std::string(c10::toString(t.scalar_type())) + " tensor of " + std::to_string(t.numel()) + " elements" +
+         (t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+c10::ScalarType wire_dtype(Wire wire, c10::ScalarType reduce) {
+  switch (wire) {
+    case Wire::kFloat16:
+      return at::kHalf;
+    case Wire::kBFloat16:
+      return at::kBFloat16;
+    case Wire::kReduceDtype:
+      break;
+  }
+  return reduce;
+}
+
+}  // namespace
+
+Wire parse_wire(const std::string& name) {
+  if (name == "reduce_scatter") return Wire::kReduceDtype;
+  if (name == "fp16") return Wire::kFloat16;
+  if (name == "bf16") return Wire::kBFloat16;
+  throw std::invalid_argument("hsdp: unknown reduction '" + name + "'; expected reduce_scatter, fp16 or bf16");
+}
+
+HsdpReducer::HsdpReducer(Communicator& shard, Communicator& replicate, Wire wire)
+    : shard_(shard), replicate_(replicate), wire_(wire) {}
+
+std::string HsdpReducer::name() const {
+  switch (wire_) {
+    case Wire::kFloat16:
+      return "hsdp_fp16";
+    case Wire::kBFloat16:
+      return "hsdp_bf16";
+    case Wire::kReduceDtype:
+      break;
+  }
+  return "hsdp";
+}
+
+int64_t HsdpReducer::scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const {
+  const c10::ScalarType wire = wire_dtype(wire_, dtype);
+  const auto elem = static_cast<int64_t>(c10::elementSize(wire));
+  const int64_t copies = wire == dtype ? 0 : (input_numel + input_numel / shard_.size()) * elem;
+  return copies + shard_.reduce_scatter_scratch_bytes(wire, input_numel, device);
+}
+
+Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output) {
+  const int S = shard_.size();
+  if (!input.defined() || !output.defined() || !input.is_contiguous() || !output.is_contiguous() ||
+      !c10::isFloatingType(input.scalar_type()) || input.scalar_type() != output.scalar_type())
+    throw std::invalid_argument(
+        "HsdpReducer: expected a contiguous floating input and output of one dtype; got input " + describe(input) +
+        " and output " + describe(output));
+  if (input.numel() != S * output.numel())
+    throw std::invalid_argument("HsdpReducer: expected an input of S x output = " + std::to_string(S) + " x " +
+                                std::to_string(output.numel()) + " elements (S = the shard group's size); got " +
+                                std::to_string(input.numel()));
+  // TODO(stage06): the two-phase mean over all N ranks, divided once, the all-reduce never waited for here
+  throw ::shardlab::NotImplemented("06", "the two-phase mean over all N ranks, divided once, the all-reduce never waited for here");
+}
+
+fsdp::ReducerFactory hsdp_reducers(Mesh& mesh, Wire wire) {
+  return [&mesh, wire](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
+    if (request.shard_group != &mesh.shard_group())
+      throw std::invalid_argument("hsdp_reducers: unit '" + request.unit +
+                                  "' is sharded over a group other than the mesh's shard group '" +
+                                  mesh.shard_group().name() + "'; build FullyShardedModel on mesh.shard_group()");
+    return std::make_shared<HsdpReducer>(mesh.shard_group(), mesh.replicate_group(), wire);
+  };
+}
+
+}  // namespace shardlab::hsdp

@@ -1,0 +1,376 @@
+// Stage 06 — HSDP on a 2-D mesh, ranks as threads over one store: every rank trains like one device on the union
+// batch, the replicas of a shard stay bit-identical, the collectives per unit are one reduce-scatter in the row and
+// one all-reduce across the column of the sizes theory gives, the gradient is divided once by N, one replica is
+// stage 04 bit for bit, and the all-reduce is in flight (not waited for) when the next unit's reduce-scatter goes.
+#include "shardlab/hsdp/hsdp.h"
+
+#include "shardlab/common/data.h"
+#include "shardlab/common/reference.h"
+#include "shardlab/common/thread_ranks.h"
+#include "shardlab/common/world.h"
+#include "shardlab/naive_ddp/broadcast_state.h"
+
+#include "support/group.h"
+#include "support/train_replica.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <map>
+#include <sstream>
+
+namespace shardlab::hsdp {
+namespace {
+
+using fsdp::FullyShardedModel;
+using test_support::test_group;
+
+constexpr double kRtol = 1e-5, kAtol = 1e-6;
+
+std::vector<at::Tensor> on_cpu(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().cpu().to(at::kFloat).clone());
+  return out;
+}
+
+// This rank's shards (its real rows of every parameter), in units() order.
+std::vector<at::Tensor> shards(const FullyShardedModel& fsdp) {
+  std::vector<at::Tensor> out;
+  for (const auto& unit : fsdp.units())
+    for (const auto& fp : unit->params()) out.push_back(fp.sharded.detach().clone());
+  return out;
+}
+
+// ---- Task 1: construction --------------------------------------------------------------------------------------
+
+// Every replica starts from global rank 0's values, not only every rank of a row: each rank perturbs its model by its
+// rank before wrapping, and afterwards every rank's full parameters are rank 0's originals. A wrapper that broadcasts
+// only within the shard group leaves replica 1 on rank 2's values. A reducer set by the caller is refused.
+TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
+  TrainConfig c;
+  c.model = "mlp";
+  const std::vector<at::Tensor> originals = on_cpu(make_model(c, at::kCPU)->parameters());
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 2, 2);
+        auto model = make_model(c, at::kCPU);
+        {
+          at::NoGradGuard no_grad;
+          for (auto& p : model->parameters()) p.add_(static_cast<double>(world.rank()));
+        }
+        auto fsdp = fully_shard_hybrid(model, mesh);
+        const std::vector<at::Tensor> full = on_cpu(fsdp->full_parameters());
+        EXPECT_EQ(max_abs_diff(full, originals), 0)
+            << "rank " << world.rank() << " (replica " << mesh.replica_index() << ") starts "
+            << max_abs_diff(full, originals) << " away from global rank 0's values";
+        fsdp::Options preset;
+        preset.reducer = fsdp::hook_reducers("reduce_scatter");
+        try {
+          fully_shard_hybrid(make_model(c, at::kCPU), mesh, preset);
+          ADD_FAILURE() << "a reducer set by the caller was accepted";
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("Options::reducer"), std::string::npos) << e.what();
+        }
+      },
+      test_group());
+}
+
+// ---- Task 2: the reduction ---------------------------------------------------------------------------------------
+
+struct MeshCase {
+  int replicate, shard;
+  std::string model;
+};
+
+std::ostream& operator<<(std::ostream& os, const MeshCase& m) {
+  return os << m.model << "_" << m.replicate << "x" << m.shard;
+}
+
+class HsdpEquivalence : public ::testing::TestWithParam<MeshCase> {};
+
+// Every rank equals one device on the union batch; the R ranks of a column hold bit-identical shards after every
+// step (a replica that drifts by one bit is caught at the step it drifts).
+TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAfterEveryStep) {
+  const MeshCase m = GetParam();
+  const int N = m.replicate * m.shard;
+  TrainConfig c;
+  c.model = m.model;
+  c.steps = 3;
+  c.global_batch = 2 * N;
+  c.micro_batches = 1;
+  c.seed = 5;
+  const ReferenceResult ref = train_reference(c);
+  std::vector<std::vector<at::Tensor>> finals(N);
+  std::vector<std::vector<std::vector<at::Tensor>>> per_step(N);  // [rank][step] -> shards
+  run_world(
+      N,
+      [&](World& world) {
+        Mesh mesh(world, m.replicate, m.shard);
+        auto model = make_model(c, at::kCPU);
+        fsdp::Options options;
+        options.allow_unused_parameters = m.model == "edge";  // `sometimes` has no gradient on odd steps
+        auto fsdp = fully_shard_hybrid(model, mesh, options);
+        test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp,
+                                  [&](int) { per_step[world.rank()].push_back(shards(*fsdp)); });
+        finals[world.rank()] = on_cpu(fsdp->full_parameters());
+      },
+      test_group());
+  for (int r = 0; r < N; ++r) {
+    const double diff = max_abs_diff(finals[r], ref.params);
+    std::cout << m << " rank " << r << ": max |param - one device| = " << diff << "\n";
+    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << m << " rank " << r << " differs by " << diff;
+  }
+  // Rank = row * S + column: the ranks of column k are k, S + k, 2S + k, ...
+  for (int col = 0; col < m.shard; ++col)
+    for (int row = 1; row < m.replicate; ++row)
+      for (int step = 0; step < c.steps; ++step) {
+        const auto& a = per_step[col][step];
+        const auto& b = per_step[row * m.shard + col][step];
+        ASSERT_EQ(a.size(), b.size());
+        for (size_t i = 0; i < a.size(); ++i)
+          EXPECT_TRUE(at::equal(a[i], b[i])) << m << ": shard " << i << " of column " << col << " differs between "
+                                             << "replica 0 and replica " << row << " after step " << step << " by "
+                                             << (a[i] - b[i]).abs().max().item<double>();
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stage06, HsdpEquivalence,
+                         ::testing::Values(MeshCase{2, 2, "tiny_gpt"}, MeshCase{2, 3, "mlp"}, MeshCase{3, 2, "mlp"},
+                                           MeshCase{4, 1, "mlp"}, MeshCase{2, 2, "edge"}),
+                         [](const auto& info) {
+                           std::ostringstream s;
+                           s << info.param;
+                           return s.str();
+                         });
+
+// Per unit per step, from the record (op, not wire_op): one reduce-scatter of S x row in the shard group and one
+// all-reduce of the row (Σ padded shard numel, padding included) in the replicate group; the all-gathers stay in
+// the shard group; nothing else. The reduce-scatters come in the same unit order as the all-reduces.
+TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUnitPerStep) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 2;
+  c.global_batch = 8;
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 2, 2);
+        auto model = make_model(c, at::kCPU);
+        auto fsdp = fully_shard_hybrid(model, mesh);
+        const std::string row = mesh.shard_group().name(), column = mesh.replicate_group().name();
+        std::map<int64_t, int> expected_rs, expected_ar;  // numel -> count per step
+        for (const auto& unit : fsdp->units()) {
+          int64_t padded = 0;
+          for (const auto& fp : unit->params())
+            if (fp.trainable) padded += fp.spec.padded_numel();
+          ++expected_rs[2 * padded];
+          ++expected_ar[padded];
+        }
+        const size_t start = world.recorder().size();
+        test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
+        std::map<int64_t, int> rs, ar;
+        int gathers = 0;
+        std::vector<std::string> other;
+        for (const auto& r : world.recorder().since(start)) {
+          if (r.op == "reduce_scatter") {
+            EXPECT_EQ(r.group, row) << "a reduce-scatter outside the row";
+            EXPECT_EQ(r.group_size, 2);
+            ++rs[r.numel];
+          } else if (r.op == "all_reduce") {
+            EXPECT_EQ(r.group, column) << "an all-reduce outside the column";
+            EXPECT_EQ(r.group_size, 2);
+            ++ar[r.numel];
+          } else if (r.op == "all_gather") {
+            EXPECT_EQ(r.group, row) << "an all-gather outside the row";
+            ++gathers;
+          } else {
+            other.push_back(r.op + " on " + r.group);
+          }
+        }
+        for (auto& [numel, count] : expected_rs) count *= c.steps;
+        for (auto& [numel, count] : expected_ar) count *= c.steps;
+        EXPECT_EQ(rs, expected_rs) << "one reduce-scatter of S x row per unit per step";
+        EXPECT_EQ(ar, expected_ar) << "one all-reduce of the row per unit per step";
+        EXPECT_GT(gathers, 0);
+        EXPECT_TRUE(other.empty()) << "nothing else in a step; got " << other.front();
+        if (world.rank() == 0)
+          std::cout << "per step: " << fsdp->units().size() << " reduce-scatters in " << row << ", "
+                    << fsdp->units().size() << " all-reduces in " << column << "\n";
+      },
+      test_group());
+}
+
+// The divide happens once: every rank sees the same batch and scales its loss by (rank + 1), so the mean gradient
+// is 2.5 times one rank's unscaled gradient at N = 4 ((1+2+3+4)/4). Divided once per group it would be 1.25 (by S
+// and R after a divide by N) or 10 (never divided), and the test names the factor it saw.
+TEST(HsdpDivide, TheGradientIsTheMeanOverAllNRanksDividedOnce) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.global_batch = 4;
+  auto reference = make_model(c, at::kCPU);
+  auto data = make_dataset(c.model, c.seed);
+  const Batch batch = data->global_batch(0, c.global_batch);
+  reference->loss(batch).backward();
+  std::vector<at::Tensor> single;
+  for (const auto& p : reference->parameters()) single.push_back(p.grad().detach().clone());
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 2, 2);
+        auto model = make_model(c, at::kCPU);
+        auto fsdp = fully_shard_hybrid(model, mesh);
+        (fsdp->loss(batch) * static_cast<double>(world.rank() + 1)).backward();
+        const int r = mesh.shard_index();
+        size_t i = 0;
+        for (const auto& unit : fsdp->units())
+          for (const auto& fp : unit->params()) {
+            const at::Tensor g = single[i++].narrow(0, fp.spec.first_row_of(r), fp.spec.rows_of(r));
+            if (g.numel() == 0) continue;
+            const at::Tensor got = fp.sharded.grad();
+            const double factor = (got * g).sum().item<double>() / (g * g).sum().item<double>();
+            EXPECT_NEAR(factor, 2.5, 1e-5) << fp.name << " rank " << world.rank() << ": the gradient is " << factor
+                                           << " x one rank's; the mean over N = 4 is 2.5 x";
+            EXPECT_TRUE(at::allclose(got, g * 2.5, 1e-5, 1e-7)) << fp.name;
+          }
+      },
+      test_group());
+}
+
+// One replica (R = 1) is stage 04's FSDP: the same collectives (no all-reduce at all) and the same bits.
+TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 2;
+  c.global_batch = 8;
+  std::vector<at::Tensor> hybrid, plain;
+  run_world(
+      2,
+      [&](World& world) {
+        Mesh mesh(world, 1, 2);
+        auto model = make_model(c, at::kCPU);
+        auto fsdp = fully_shard_hybrid(model, mesh);
+        const size_t start = world.recorder().size();
+        test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
+        for (const auto& r : world.recorder().since(start))
+          EXPECT_NE(r.op, "all_reduce") << "one replica: nothing to all-reduce across";
+        auto h = on_cpu(fsdp->full_parameters());
+        auto model2 = make_model(c, at::kCPU);
+        FullyShardedModel stage04(model2, mesh.shard_group());
+        test_support::train_steps(world.world(), c, stage04.parameters(), at::kCPU, stage04);
+        auto p = on_cpu(stage04.full_parameters());
+        if (world.rank() == 0) {
+          hybrid = h;
+          plain = p;
+        }
+      },
+      test_group());
+  const double diff = max_abs_diff(hybrid, plain);
+  std::cout << "HSDP 1x2 vs stage 04 FSDP on 2 ranks: max |param diff| = " << diff << "\n";
+  EXPECT_EQ(diff, 0) << "HSDP on one replica must be FSDP bit for bit";
+}
+
+// The all-reduce is pipelined: when the next unit's reduce-scatter is issued, the previous unit's all-reduce has
+// been issued (it is in the record) and not yet waited for (its handle's last step has not run). A reducer that
+// chains the all-reduce as a then() step, issued and waited for inside FSDP's wait, fails here.
+class Watching final : public fsdp::GradientReducer {
+ public:
+  Watching(std::shared_ptr<fsdp::GradientReducer> inner, World& world, std::string column,
+           std::vector<std::string>* seen, std::vector<bool>* waited)
+      : inner_(std::move(inner)), world_(world), column_(std::move(column)), seen_(seen), waited_(waited) {}
+  Handle operator()(const at::Tensor& input, const at::Tensor& output) override {
+    const size_t k = waited_->size();  // this call's index in the step
+    int all_reduces = 0;
+    for (const auto& r : world_.recorder().since(0))
+      if (r.op == "all_reduce" && r.group == column_) ++all_reduces;
+    bool earlier_waited = false;
+    for (size_t j = 0; j < k; ++j) earlier_waited = earlier_waited || (*waited_)[j];
+    seen_->push_back("call " + std::to_string(k) + ": " + std::to_string(all_reduces) + " all-reduces issued, " +
+                     (earlier_waited ? "an earlier one waited for" : "none waited for"));
+    waited_->push_back(false);
+    return (*inner_)(input, output).then([waited = waited_, k] { (*waited)[k] = true; });
+  }
+  int64_t scratch_bytes(c10::ScalarType dtype, int64_t numel, c10::Device device) const override {
+    return inner_->scratch_bytes(dtype, numel, device);
+  }
+  std::string name() const override { return "watching"; }
+
+ private:
+  std::shared_ptr<fsdp::GradientReducer> inner_;
+  World& world_;
+  std::string column_;
+  std::vector<std::string>* seen_;
+  std::vector<bool>* waited_;
+};
+
+TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsIssued) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 8;
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 2, 2);
+        naive_ddp::broadcast_state(*make_model(c, at::kCPU), world.world());  // as fully_shard_hybrid does
+        std::vector<std::string> seen;
+        std::vector<bool> waited;
+        fsdp::Options options;
+        const fsdp::ReducerFactory hsdp = hsdp_reducers(mesh);
+        const std::string column = mesh.replicate_group().name();
+        options.reducer = [&](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
+          return std::make_shared<Watching>(hsdp(request), world, column, &seen, &waited);
+        };
+        auto model = make_model(c, at::kCPU);
+        FullyShardedModel fsdp(model, mesh.shard_group(), options);
+        auto data = make_dataset(c.model, c.seed);
+        fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), world.rank(), world.size())).backward();
+        std::vector<std::string> expected;
+        for (size_t k = 0; k < fsdp.units().size(); ++k)
+          expected.push_back("call " + std::to_string(k) + ": " + std::to_string(k) + " all-reduces issued, none " +
+                             "waited for");
+        EXPECT_EQ(seen, expected) << "at each reduce-scatter, every earlier unit's all-reduce issued, none waited for";
+        for (size_t k = 0; k < waited.size(); ++k) EXPECT_TRUE(waited[k]) << "unit call " << k << " by the end";
+        if (world.rank() == 0)
+          for (const auto& s : seen) std::cout << s << "\n";
+      },
+      test_group());
+}
+
+// fp16 on the wire covers both phases (the record's dtype is half in the row and across the column), the shards
+// stay f32 and bit-identical across replicas, and training stays close to f32.
+TEST(HsdpCompressed, Fp16OnBothGroupsTrainsCloseToF32) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.steps = 3;
+  c.global_batch = 8;
+  const ReferenceResult ref = train_reference(c);
+  std::vector<std::vector<at::Tensor>> finals(4);
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 2, 2);
+        auto model = make_model(c, at::kCPU);
+        auto fsdp = fully_shard_hybrid(model, mesh, {}, parse_wire("fp16"));
+        const size_t start = world.recorder().size();
+        test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
+        int reductions = 0;
+        for (const auto& r : world.recorder().since(start)) {
+          if (r.op != "reduce_scatter" && r.op != "all_reduce") continue;
+          ++reductions;
+          EXPECT_EQ(r.dtype, at::kHalf) << r.op << " on " << r.group << ": fp16 on both phases";
+        }
+        EXPECT_EQ(reductions, 2 * c.steps * static_cast<int>(fsdp->units().size()));
+        for (const auto& p : fsdp->parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
+        finals[world.rank()] = on_cpu(fsdp->full_parameters());
+      },
+      test_group());
+  const double diff = max_abs_diff(finals[0], ref.params);
+  std::cout << "HSDP 2x2 fp16 vs one device in f32: max |param diff| = " << diff << "\n";
+  EXPECT_LT(diff, 2e-3);
+  EXPECT_GT(diff, 0) << "a half-size reduction cannot be bit-identical to f32";
+  for (int r = 1; r < 4; ++r) EXPECT_EQ(max_abs_diff(finals[r], finals[0]), 0) << "rank " << r;
+}
+
+}  // namespace
+}  // namespace shardlab::hsdp
