@@ -236,6 +236,7 @@ Handle Handle::then_issue(std::function<Handle()> issue) && {
     chain->issued = true;  // issue() runs once: a throwing one is not retried, its error sticks
     try {
       if (chain->issue) chain->second = chain->issue();
+      chain->issue = nullptr;  // what it captured (the first phase's buffers) goes now, not at wait()
     } catch (...) {
       chain->error = std::current_exception();
       throw;

@@ -272,13 +272,21 @@ TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
 }
 
 // The all-reduce is pipelined: when the next unit's reduce-scatter is issued, the previous unit's all-reduce has
-// been issued (it is in the record) and not yet waited for (its handle's last step has not run). A reducer that
-// chains the all-reduce as a then() step, issued and waited for inside FSDP's wait, fails here.
+// been issued (it is in the record) and not yet waited for (its handle's last step has not run), and the previous
+// reduce-scatter's input (S rows of the unit's gradients) is already freed, not held until the end of backward. A
+// reducer that chains the all-reduce as a then() step, issued and waited for inside FSDP's wait, fails here, as does
+// one that keeps its input to the last step.
 class Watching final : public fsdp::GradientReducer {
  public:
   Watching(std::shared_ptr<fsdp::GradientReducer> inner, World& world, std::string column,
-           std::vector<std::string>* seen, std::vector<bool>* waited)
-      : inner_(std::move(inner)), world_(world), column_(std::move(column)), seen_(seen), waited_(waited) {}
+           std::vector<std::string>* seen, std::vector<bool>* waited,
+           std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>* inputs)
+      : inner_(std::move(inner)),
+        world_(world),
+        column_(std::move(column)),
+        seen_(seen),
+        waited_(waited),
+        inputs_(inputs) {}
   Handle operator()(const at::Tensor& input, const at::Tensor& output) override {
     const size_t k = waited_->size();  // this call's index in the step
     int all_reduces = 0;
@@ -286,9 +294,13 @@ class Watching final : public fsdp::GradientReducer {
       if (r.op == "all_reduce" && r.group == column_) ++all_reduces;
     bool earlier_waited = false;
     for (size_t j = 0; j < k; ++j) earlier_waited = earlier_waited || (*waited_)[j];
+    size_t held = 0;  // earlier units' reduce-scatter inputs still alive
+    for (const auto& weak : *inputs_) held += weak.expired() ? 0 : 1;
     seen_->push_back("call " + std::to_string(k) + ": " + std::to_string(all_reduces) + " all-reduces issued, " +
-                     (earlier_waited ? "an earlier one waited for" : "none waited for"));
+                     (earlier_waited ? "an earlier one waited for" : "none waited for") + ", " + std::to_string(held) +
+                     " earlier inputs held");
     waited_->push_back(false);
+    inputs_->push_back(input.storage().getWeakStorageImpl());
     return (*inner_)(input, output).then([waited = waited_, k] { (*waited)[k] = true; });
   }
   int64_t scratch_bytes(c10::ScalarType dtype, int64_t numel, c10::Device device) const override {
@@ -302,6 +314,7 @@ class Watching final : public fsdp::GradientReducer {
   std::string column_;
   std::vector<std::string>* seen_;
   std::vector<bool>* waited_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>* inputs_;  // every unit's, shared
 };
 
 TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsIssued) {
@@ -315,11 +328,12 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
         naive_ddp::broadcast_state(*make_model(c, at::kCPU), world.world());  // as fully_shard_hybrid does
         std::vector<std::string> seen;
         std::vector<bool> waited;
+        std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> inputs;
         fsdp::Options options;
         const fsdp::ReducerFactory hsdp = hsdp_reducers(mesh);
         const std::string column = mesh.replicate_group().name();
         options.reducer = [&](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
-          return std::make_shared<Watching>(hsdp(request), world, column, &seen, &waited);
+          return std::make_shared<Watching>(hsdp(request), world, column, &seen, &waited, &inputs);
         };
         auto model = make_model(c, at::kCPU);
         FullyShardedModel fsdp(model, mesh.shard_group(), options);
@@ -327,9 +341,10 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
         fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), world.rank(), world.size())).backward();
         std::vector<std::string> expected;
         for (size_t k = 0; k < fsdp.units().size(); ++k)
-          expected.push_back("call " + std::to_string(k) + ": " + std::to_string(k) + " all-reduces issued, none " +
-                             "waited for");
-        EXPECT_EQ(seen, expected) << "at each reduce-scatter, every earlier unit's all-reduce issued, none waited for";
+          expected.push_back("call " + std::to_string(k) + ": " + std::to_string(k) +
+                             " all-reduces issued, none waited for, 0 earlier inputs held");
+        EXPECT_EQ(seen, expected) << "at each reduce-scatter, every earlier unit's all-reduce issued, none waited for, "
+                                     "and every earlier reduce-scatter's input freed (its phase is over)";
         for (size_t k = 0; k < waited.size(); ++k) EXPECT_TRUE(waited[k]) << "unit call " << k << " by the end";
         if (world.rank() == 0)
           for (const auto& s : seen) std::cout << s << "\n";

@@ -380,7 +380,9 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   // END SOLUTION
   Handle reduced = (*reducer_)(input.view({-1}), output);
   emit(UnitEventKind::kReduceLaunched);
-  return std::move(reduced).then([this, input, output, transient, generation = generation_] {
+  // The reducer keeps `input` alive while its collectives need it (GradientReducer's contract): a two-phase reducer
+  // frees it once its first phase has landed, not at this wait.
+  return std::move(reduced).then([this, output, transient, generation = generation_] {
     at::NoGradGuard no_grad;
     if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
       meter_.release(MemoryKind::kGrads, transient);

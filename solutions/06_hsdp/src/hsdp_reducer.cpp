@@ -89,12 +89,12 @@ Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output
   at::Tensor send = wire == input.scalar_type() ? input : input.to(wire);
   at::Tensor row = wire == output.scalar_type() ? output : at::empty({output.numel()}, output.options().dtype(wire));
   if (pre != 1) send.div_(pre);
-  Handle reduced = shard_.reduce_scatter(row, send);
+  Handle reduced = shard_.reduce_scatter(row, send).then([send] {});  // `send` lives until the first phase landed
   if (replicate_.size() > 1) {
     Communicator& replicate = replicate_;
     reduced = std::move(reduced).then_issue([&replicate, row] { return replicate.all_reduce(row); });
   }
-  return std::move(reduced).then([row, output, post, send] {
+  return std::move(reduced).then([row, output, post] {
     at::NoGradGuard guard;
     if (post != 1) row.div_(post);
     if (!row.is_same(output)) output.copy_(row);

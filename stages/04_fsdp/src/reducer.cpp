@@ -9,7 +9,9 @@ namespace {
 class HookReducer final : public GradientReducer {
  public:
   explicit HookReducer(comm_hooks::CommHook hook) : hook_(std::move(hook)) {}
-  Handle operator()(const at::Tensor& input, const at::Tensor& output) override { return hook_(input, output); }
+  Handle operator()(const at::Tensor& input, const at::Tensor& output) override {
+    return hook_(input, output).then([input] {});  // input lives until the reduction is waited for
+  }
   int64_t scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const override {
     return comm_hooks::reduce_scatter_scratch_bytes(hook_, dtype, input_numel, device);
   }

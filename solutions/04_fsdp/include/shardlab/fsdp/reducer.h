@@ -32,7 +32,8 @@ class GradientReducer {
  public:
   virtual ~GradientReducer() = default;
   /// Starts the reduction of `input` (S rows of `output.numel()` elements, flat) into `output`. When the returned
-  /// Handle's `wait()` returns, `output` holds this rank's row of the average; `input` is scratch from the call on.
+  /// Handle's `wait()` returns, `output` holds this rank's row of the average; `input` is scratch from the call on,
+  /// and the reducer keeps it alive for as long as its collectives read it (the caller drops its own reference).
   /// @throws std::invalid_argument naming what was expected and what came, for mismatched sizes or dtypes.
   virtual Handle operator()(const at::Tensor& input, const at::Tensor& output) = 0;
   /// Bytes the reducer (and the Communicators under it) holds privately, beyond `input` and `output`, while a call

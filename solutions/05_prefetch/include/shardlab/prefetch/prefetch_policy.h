@@ -19,8 +19,8 @@ struct PrefetchPolicy {
   /// At a unit's pre-forward, prefetch the next `forward_depth` units of the expected forward order (the last
   /// forward's order; registration order, root first, before any forward ran). 0: no forward prefetch.
   int forward_depth = 1;
-  /// At a unit's pre-backward, prefetch the next `backward_depth` units of the backward order (the reverse of this
-  /// forward's post-forward order). 0: no backward prefetch.
+  /// At a unit's pre-backward, prefetch the next `backward_depth` units of the backward order (prefetch.h:
+  /// backward_order). 0: no backward prefetch.
   int backward_depth = 1;
   /// At most this many units ahead at any moment, in forward and backward alike; a prefetch that would exceed it is
   /// skipped (the unit is then gathered at its own use, or prefetched at a later point). 0: the largest depth or

@@ -204,8 +204,8 @@ class FullyShardedModel {
   /// The units (indices into units()) in the order their forward began in this forward so far; the root, whose
   /// forward is the whole `loss()`, comes first.
   const std::vector<size_t>& forward_order() const { return forward_order_; }
-  /// The units in the order their forward returned in this forward so far (the root last). Backward meets them in
-  /// the reverse order: each unit's pre-backward hook is on its output.
+  /// The units in the order their forward returned in this forward so far (the root last): the order their outputs,
+  /// on which post_forward registers each unit's pre-backward hook, were made.
   const std::vector<size_t>& post_forward_order() const { return post_forward_order_; }
   /// True when unit `u`'s forward in this iteration registered its pre-backward hook (training, and its output
   /// requires grad), so that backward may meet it; false for a unit that did not run or whose output needs no
