@@ -184,6 +184,15 @@ void Handle::wait() {
 
 std::exception_ptr wait_all(std::vector<Handle>& handles) {
   std::exception_ptr first;
+  // Advance every chained handle first, in order, so that each one's second collective is in flight before any is
+  // waited for (Note [Advancing a chained reduction]); for a plain handle advance() is its wait().
+  for (auto& h : handles) {
+    try {
+      h.advance();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
   for (auto& h : handles) {
     try {
       h.wait();

@@ -511,6 +511,10 @@ TEST(FullyShardedModel, EachUnitGetsItsOwnReducerFromTheFactory) {
         Options none;
         none.reducer = [](const ReducerRequest&) { return std::shared_ptr<GradientReducer>(); };
         auto untouched = make_model(c, at::kCPU);
+        {  // each rank's own values: a broadcast before the failing check would show
+          at::NoGradGuard no_grad;
+          for (auto& p : untouched->parameters()) p.add_(static_cast<double>(comm.rank()));
+        }
         const at::Tensor first = untouched->parameters().front();
         const at::Tensor before = first.detach().clone();
         try {

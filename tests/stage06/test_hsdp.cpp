@@ -4,12 +4,14 @@
 // stage 04 bit for bit, and the all-reduce is in flight (not waited for) when the next unit's reduce-scatter goes.
 #include "shardlab/hsdp/hsdp.h"
 
+#include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/common/world.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
+#include "support/gradients.h"
 #include "support/group.h"
 #include "support/train_replica.h"
 
@@ -171,6 +173,7 @@ TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUni
         const size_t start = world.recorder().size();
         test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
         std::map<int64_t, int> rs, ar;
+        std::vector<int64_t> rs_rows, ar_rows;  // in issue order: the unit order of each group
         int gathers = 0;
         std::vector<std::string> other;
         for (const auto& r : world.recorder().since(start)) {
@@ -178,10 +181,12 @@ TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUni
             EXPECT_EQ(r.group, row) << "a reduce-scatter outside the row";
             EXPECT_EQ(r.group_size, 2);
             ++rs[r.numel];
+            rs_rows.push_back(r.numel / 2);
           } else if (r.op == "all_reduce") {
             EXPECT_EQ(r.group, column) << "an all-reduce outside the column";
             EXPECT_EQ(r.group_size, 2);
             ++ar[r.numel];
+            ar_rows.push_back(r.numel);
           } else if (r.op == "all_gather") {
             EXPECT_EQ(r.group, row) << "an all-gather outside the row";
             ++gathers;
@@ -193,6 +198,7 @@ TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUni
         for (auto& [numel, count] : expected_ar) count *= c.steps;
         EXPECT_EQ(rs, expected_rs) << "one reduce-scatter of S x row per unit per step";
         EXPECT_EQ(ar, expected_ar) << "one all-reduce of the row per unit per step";
+        EXPECT_EQ(rs_rows, ar_rows) << "the all-reduces come in the reduce-scatters' unit order";
         EXPECT_GT(gathers, 0);
         EXPECT_TRUE(other.empty()) << "nothing else in a step; got " << other.front();
         if (world.rank() == 0)
@@ -202,10 +208,16 @@ TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUni
       test_group());
 }
 
-// The divide happens once: every rank sees the same batch and scales its loss by (rank + 1), so the mean gradient
-// is 2.5 times one rank's unscaled gradient at N = 4 ((1+2+3+4)/4). Divided once per group it would be 1.25 (by S
-// and R after a divide by N) or 10 (never divided), and the test names the factor it saw.
-TEST(HsdpDivide, TheGradientIsTheMeanOverAllNRanksDividedOnce) {
+// The divide is by N, once: every rank sees the same batch and scales its loss by (rank + 1), so the mean gradient
+// is (N + 1) / 2 times one rank's unscaled gradient: 2.5 at 2x2, 3.5 at 3x2 and 2x3. A reducer that divides by S
+// only gives 5 (2x2), one that divides by N and again per group 1.25, one that never divides 10; the test names
+// the factor it saw. (In f32 a division split per group is also a mean: it differs only in its rounding.)
+class HsdpDivide : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(HsdpDivide, TheGradientIsTheMeanOverAllNRanks) {
+  const auto [R, S] = GetParam();
+  const int N = R * S;
+  const double mean = (N + 1) / 2.0;
   TrainConfig c;
   c.model = "mlp";
   c.global_batch = 4;
@@ -216,9 +228,9 @@ TEST(HsdpDivide, TheGradientIsTheMeanOverAllNRanksDividedOnce) {
   std::vector<at::Tensor> single;
   for (const auto& p : reference->parameters()) single.push_back(p.grad().detach().clone());
   run_world(
-      4,
+      N,
       [&](World& world) {
-        Mesh mesh(world, 2, 2);
+        Mesh mesh(world, R, S);
         auto model = make_model(c, at::kCPU);
         auto fsdp = fully_shard_hybrid(model, mesh);
         (fsdp->loss(batch) * static_cast<double>(world.rank() + 1)).backward();
@@ -230,13 +242,19 @@ TEST(HsdpDivide, TheGradientIsTheMeanOverAllNRanksDividedOnce) {
             if (g.numel() == 0) continue;
             const at::Tensor got = fp.sharded.grad();
             const double factor = (got * g).sum().item<double>() / (g * g).sum().item<double>();
-            EXPECT_NEAR(factor, 2.5, 1e-5) << fp.name << " rank " << world.rank() << ": the gradient is " << factor
-                                           << " x one rank's; the mean over N = 4 is 2.5 x";
-            EXPECT_TRUE(at::allclose(got, g * 2.5, 1e-5, 1e-7)) << fp.name;
+            EXPECT_NEAR(factor, mean, 1e-5) << fp.name << " rank " << world.rank() << ": the gradient is " << factor
+                                            << " x one rank's; the mean over N = " << N << " is " << mean << " x";
+            EXPECT_TRUE(at::allclose(got, g * mean, 1e-5, 1e-7)) << fp.name;
           }
       },
       test_group());
 }
+
+INSTANTIATE_TEST_SUITE_P(Stage06, HsdpDivide,
+                         ::testing::Values(std::make_pair(2, 2), std::make_pair(3, 2), std::make_pair(2, 3)),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "x" + std::to_string(info.param.second);
+                         });
 
 // One replica (R = 1) is stage 04's FSDP: the same collectives (no all-reduce at all) and the same bits.
 TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
@@ -352,39 +370,168 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
       test_group());
 }
 
-// fp16 on the wire covers both phases (the record's dtype is half in the row and across the column), the shards
-// stay f32 and bit-identical across replicas, and training stays close to f32.
-TEST(HsdpCompressed, Fp16OnBothGroupsTrainsCloseToF32) {
+// fp16 and bf16 on the wire cover both phases (the record's dtype is theirs in the row and across the column; Gloo
+// 1.13 carries bf16 as f32, which the record's wire_dtype shows), the shards stay f32 and bit-identical across
+// replicas, and training stays close to f32.
+TEST(HsdpCompressed, Fp16AndBf16OnBothGroupsTrainCloseToF32) {
   TrainConfig c;
   c.model = "mlp";
   c.steps = 3;
   c.global_batch = 8;
   const ReferenceResult ref = train_reference(c);
-  std::vector<std::vector<at::Tensor>> finals(4);
+  for (const std::string name : {"fp16", "bf16"}) {
+    const c10::ScalarType dtype = name == "fp16" ? at::kHalf : at::kBFloat16;
+    std::vector<std::vector<at::Tensor>> finals(4);
+    run_world(
+        4,
+        [&](World& world) {
+          Mesh mesh(world, 2, 2);
+          auto model = make_model(c, at::kCPU);
+          auto fsdp = fully_shard_hybrid(model, mesh, {}, parse_wire(name));
+          const size_t start = world.recorder().size();
+          test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
+          int reductions = 0;
+          for (const auto& r : world.recorder().since(start)) {
+            if (r.op != "reduce_scatter" && r.op != "all_reduce") continue;
+            ++reductions;
+            EXPECT_EQ(r.dtype, dtype) << name << " " << r.op << " on " << r.group << ": the wire dtype on both phases";
+          }
+          EXPECT_EQ(reductions, 2 * c.steps * static_cast<int>(fsdp->units().size()));
+          for (const auto& p : fsdp->parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
+          finals[world.rank()] = on_cpu(fsdp->full_parameters());
+        },
+        test_group());
+    const double diff = max_abs_diff(finals[0], ref.params);
+    std::cout << "HSDP 2x2 " << name << " vs one device in f32: max |param diff| = " << diff << "\n";
+    EXPECT_LT(diff, 2e-3) << name;
+    EXPECT_GT(diff, 0) << name << ": a half-size reduction cannot be bit-identical to f32";
+    for (int r = 1; r < 4; ++r) EXPECT_EQ(max_abs_diff(finals[r], finals[0]), 0) << name << " rank " << r;
+  }
+}
+
+// ---- Task 3: accumulation that defers the all-reduce ------------------------------------------------------------
+
+// k = 3 micro-batches per step, 2 steps, 2x2. Deferred (set_requires_all_reduce false on the first two): per unit
+// per step 3 reduce-scatters and 1 all-reduce, the partial held between micro-batches and gone after the step, every
+// rank within rtol 1e-5 of one device, shards bit-identical across replicas. no_sync on the first two instead: one
+// reduce-scatter and one all-reduce per unit per step, both on the last micro-batch.
+TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReducesOnce) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.steps = 2;
+  c.global_batch = 24;
+  c.micro_batches = 3;
+  const ReferenceResult ref = train_reference(c);
+  for (const std::string mode : {"deferred", "no_sync"}) {
+    std::vector<std::vector<at::Tensor>> finals(4);
+    run_world(
+        4,
+        [&](World& world) {
+          Mesh mesh(world, 2, 2);
+          auto model = make_model(c, at::kCPU);
+          auto fsdp = fully_shard_hybrid(model, mesh);
+          auto data = make_dataset(c.model, c.seed);
+          auto opt = make_optimizer(c.optimizer, fsdp->parameters(), c.lr);
+          const size_t units = fsdp->units().size();
+          for (int step = 0; step < c.steps; ++step) {
+            compat::zero_grad(*opt);
+            auto micro = micro_batches(rank_slice(data->global_batch(step, c.global_batch), world.rank(), 4), 3);
+            for (int i = 0; i < 3; ++i) {
+              const bool last = i == 2;
+              const size_t mark = world.recorder().size();
+              if (mode == "deferred") {
+                set_requires_all_reduce(*fsdp, last);
+                (fsdp->loss(micro[i]) / 3.0).backward();
+              } else if (last) {
+                (fsdp->loss(micro[i]) / 3.0).backward();
+              } else {
+                auto scope = fsdp->no_sync();
+                (fsdp->loss(micro[i]) / 3.0).backward();
+              }
+              size_t rs = 0, ar = 0;
+              for (const auto& r : world.recorder().since(mark)) {
+                rs += r.op == "reduce_scatter" ? 1 : 0;
+                ar += r.op == "all_reduce" ? 1 : 0;
+              }
+              const size_t want_rs = mode == "deferred" || last ? units : 0, want_ar = last ? units : 0;
+              EXPECT_EQ(rs, want_rs) << mode << " step " << step << " micro-batch " << i << ": reduce-scatters";
+              EXPECT_EQ(ar, want_ar) << mode << " step " << step << " micro-batch " << i << ": all-reduces";
+              int64_t partial = 0;
+              for (const auto& unit : fsdp->units())
+                partial += dynamic_cast<const HsdpReducer&>(unit->reducer()).partial_bytes();
+              if (mode == "deferred" && !last)
+                EXPECT_GT(partial, 0) << "deferred micro-batch " << i << ": the rows wait in the partial";
+              else
+                EXPECT_EQ(partial, 0) << mode << " micro-batch " << i << ": no partial held";
+            }
+            opt->step();
+          }
+          finals[world.rank()] = on_cpu(fsdp->full_parameters());
+        },
+        test_group());
+    for (int r = 0; r < 4; ++r) {
+      const double diff = max_abs_diff(finals[r], ref.params);
+      std::cout << mode << " rank " << r << ": max |param - one device| = " << diff << "\n";
+      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << mode << " rank " << r << " differs by " << diff;
+    }
+    EXPECT_EQ(max_abs_diff(finals[2], finals[0]), 0) << mode << ": the replicas of shard 0 differ";
+    EXPECT_EQ(max_abs_diff(finals[3], finals[1]), 0) << mode << ": the replicas of shard 1 differ";
+  }
+}
+
+// A backward that throws leaves no partial behind: after a deferred micro-batch (partial held), a deferred backward
+// cut short (units already reduced, the first layer's gradient throwing) is settled by the next loss(): every
+// unit's partial is dropped, the one of the good micro-batch included, as stage 04 drops unsharded gradients.
+TEST(HsdpAccumulation, ABackwardThatThrowsLeavesNoPartialBehind) {
+  TrainConfig c;
+  c.model = "mlp";
+  c.global_batch = 8;
   run_world(
       4,
       [&](World& world) {
         Mesh mesh(world, 2, 2);
         auto model = make_model(c, at::kCPU);
-        auto fsdp = fully_shard_hybrid(model, mesh, {}, parse_wire("fp16"));
-        const size_t start = world.recorder().size();
-        test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
-        int reductions = 0;
-        for (const auto& r : world.recorder().since(start)) {
-          if (r.op != "reduce_scatter" && r.op != "all_reduce") continue;
-          ++reductions;
-          EXPECT_EQ(r.dtype, at::kHalf) << r.op << " on " << r.group << ": fp16 on both phases";
-        }
-        EXPECT_EQ(reductions, 2 * c.steps * static_cast<int>(fsdp->units().size()));
-        for (const auto& p : fsdp->parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
-        finals[world.rank()] = on_cpu(fsdp->full_parameters());
+        auto fsdp = fully_shard_hybrid(model, mesh);
+        auto data = make_dataset(c.model, c.seed);
+        const Batch mine = rank_slice(data->global_batch(0, c.global_batch), world.rank(), 4);
+        auto partial = [&] {
+          int64_t bytes = 0;
+          for (const auto& unit : fsdp->units())
+            bytes += dynamic_cast<const HsdpReducer&>(unit->reducer()).partial_bytes();
+          return bytes;
+        };
+        set_requires_all_reduce(*fsdp, false);
+        fsdp->loss(mine).backward();
+        EXPECT_GT(partial(), 0) << "a deferred micro-batch holds its rows";
+        at::Tensor loss = fsdp->loss(mine);
+        ASSERT_TRUE(test_support::backward_cut_short_at(model->parameters().front(), [&] { loss.backward(); }));
+        fsdp->loss(mine);  // settles the backward that threw
+        EXPECT_EQ(partial(), 0) << "the partial of a step whose backward threw must not reach a later step";
+        set_requires_all_reduce(*fsdp, true);
       },
       test_group());
-  const double diff = max_abs_diff(finals[0], ref.params);
-  std::cout << "HSDP 2x2 fp16 vs one device in f32: max |param diff| = " << diff << "\n";
-  EXPECT_LT(diff, 2e-3);
-  EXPECT_GT(diff, 0) << "a half-size reduction cannot be bit-identical to f32";
-  for (int r = 1; r < 4; ++r) EXPECT_EQ(max_abs_diff(finals[r], finals[0]), 0) << "rank " << r;
+}
+
+// set_requires_all_reduce is for HSDP wrappers: on stage 04's FSDP it is an error naming the unit and its reducer.
+TEST(HsdpAccumulation, DeferringOnAWrapperThatIsNotHsdpIsAnError) {
+  TrainConfig c;
+  c.model = "mlp";
+  run_world(
+      2,
+      [&](World& world) {
+        Mesh mesh(world, 2, 1);
+        auto hybrid = fully_shard_hybrid(make_model(c, at::kCPU), mesh);
+        set_requires_all_reduce(*hybrid, false);  // an HSDP wrapper takes it
+        set_requires_all_reduce(*hybrid, true);
+        FullyShardedModel plain(make_model(c, at::kCPU), world.world());
+        try {
+          set_requires_all_reduce(plain, false);
+          ADD_FAILURE() << "stage 04's FSDP accepted set_requires_all_reduce";
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("reduce_scatter"), std::string::npos) << e.what();
+        }
+      },
+      test_group());
 }
 
 }  // namespace

@@ -126,7 +126,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
                                   "'; expected one per unit");
   }
   // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
-  naive_ddp::broadcast_state(*model_, comm_);
+  naive_ddp::broadcast_state(*model_, options_.broadcast_group != nullptr ? *options_.broadcast_group : comm_);
   for (size_t u = 0; u < root; ++u)
     units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision,
                                                 std::move(reducers[u]), meter_, pool_.get()));

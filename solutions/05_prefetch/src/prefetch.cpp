@@ -86,14 +86,24 @@ PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy
     has_backward_list_[index_of(owner)] = true;
     for (const auto& name : list) backward_lists_[index_of(owner)].push_back(index_of(name));
   }
+  // BEGIN SOLUTION(05, keep): the iteration state, sized for the units
   used_forward_.assign(units.size(), false);
   used_backward_.assign(units.size(), false);
+  // END SOLUTION
 }
 
 void PrefetchSchedule::begin_iteration(FullyShardedModel& /*fsdp*/) {
+  // BEGIN SOLUTION(05, keep): a new iteration: nothing ahead, nothing used (FSDP sharded every unit)
   ahead_.clear();
   std::fill(used_forward_.begin(), used_forward_.end(), false);
   std::fill(used_backward_.begin(), used_backward_.end(), false);
+  // END SOLUTION
+}
+
+std::vector<size_t> PrefetchSchedule::ahead() const {
+  // BEGIN SOLUTION(05): the units ahead, in the order they were prefetched
+  return ahead_;
+  // END SOLUTION
 }
 
 std::vector<size_t> PrefetchSchedule::targets(SchedulePoint point, size_t u, const FullyShardedModel& fsdp) const {
@@ -112,8 +122,8 @@ std::vector<size_t> PrefetchSchedule::targets(SchedulePoint point, size_t u, con
 
 void PrefetchSchedule::at(SchedulePoint point, size_t u, FullyShardedModel& fsdp) {
   if (point == SchedulePoint::kPostForward) return;
-  std::vector<bool>& used = point == SchedulePoint::kPreForward ? used_forward_ : used_backward_;
   // BEGIN SOLUTION(05): u is used now; prefetch its targets, skipping no-ops, within the limit (Note [The limit ...])
+  std::vector<bool>& used = point == SchedulePoint::kPreForward ? used_forward_ : used_backward_;
   used[u] = true;
   ahead_.erase(std::remove(ahead_.begin(), ahead_.end(), u), ahead_.end());
   for (size_t v : targets(point, u, fsdp)) {

@@ -90,6 +90,24 @@ Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output
   at::Tensor row = wire == output.scalar_type() ? output : at::empty({output.numel()}, output.options().dtype(wire));
   if (pre != 1) send.div_(pre);
   Handle reduced = shard_.reduce_scatter(row, send).then([send] {});  // `send` lives until the first phase landed
+  if (!requires_all_reduce_) {  // a deferred micro-batch: its row waits in the partial, nothing reaches the grads
+    return std::move(reduced).then([this, row, output, generation = generation_] {
+      at::NoGradGuard guard;
+      if (generation == generation_) {  // else its backward threw: discard() dropped the partial
+        if (partial_.defined())
+          partial_.add_(row);
+        else
+          partial_ = row.clone();  // `row` may be `output`, zeroed next
+      }
+      output.zero_();
+    });
+  }
+  if (partial_.defined()) {  // the deferred micro-batches join this one before the all-reduce
+    reduced = std::move(reduced).then([row, partial = std::exchange(partial_, at::Tensor())] {
+      at::NoGradGuard guard;
+      row.add_(partial);
+    });
+  }
   if (replicate_.size() > 1) {
     Communicator& replicate = replicate_;
     reduced = std::move(reduced).then_issue([&replicate, row] { return replicate.all_reduce(row); });
@@ -100,6 +118,15 @@ Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output
     if (!row.is_same(output)) output.copy_(row);
   });
   // END SOLUTION
+}
+
+void HsdpReducer::discard() {
+  ++generation_;
+  partial_ = at::Tensor();
+}
+
+int64_t HsdpReducer::partial_bytes() const {
+  return partial_.defined() ? static_cast<int64_t>(partial_.numel() * partial_.element_size()) : 0;
 }
 
 fsdp::ReducerFactory hsdp_reducers(Mesh& mesh, Wire wire) {

@@ -73,14 +73,16 @@ PrefetchSchedule::PrefetchSchedule(const FullyShardedModel& fsdp, PrefetchPolicy
     has_backward_list_[index_of(owner)] = true;
     for (const auto& name : list) backward_lists_[index_of(owner)].push_back(index_of(name));
   }
-  used_forward_.assign(units.size(), false);
-  used_backward_.assign(units.size(), false);
+  // TODO(stage05): the iteration state, sized for the units
 }
 
 void PrefetchSchedule::begin_iteration(FullyShardedModel& /*fsdp*/) {
-  ahead_.clear();
-  std::fill(used_forward_.begin(), used_forward_.end(), false);
-  std::fill(used_backward_.begin(), used_backward_.end(), false);
+  // TODO(stage05): a new iteration: nothing ahead, nothing used (FSDP sharded every unit)
+}
+
+std::vector<size_t> PrefetchSchedule::ahead() const {
+  // TODO(stage05): the units ahead, in the order they were prefetched
+  throw ::shardlab::NotImplemented("05", "the units ahead, in the order they were prefetched");
 }
 
 std::vector<size_t> PrefetchSchedule::targets(SchedulePoint point, size_t u, const FullyShardedModel& fsdp) const {
@@ -92,7 +94,6 @@ std::vector<size_t> PrefetchSchedule::targets(SchedulePoint point, size_t u, con
 
 void PrefetchSchedule::at(SchedulePoint point, size_t u, FullyShardedModel& fsdp) {
   if (point == SchedulePoint::kPostForward) return;
-  std::vector<bool>& used = point == SchedulePoint::kPreForward ? used_forward_ : used_backward_;
   // TODO(stage05): u is used now; prefetch its targets, skipping no-ops, within the limit (Note [The limit ...])
   throw ::shardlab::NotImplemented("05", "u is used now; prefetch its targets, skipping no-ops, within the limit (Note [The limit ...])");
 }

@@ -1,22 +1,38 @@
 #include "shardlab/hsdp/hsdp.h"
 
 #include "shardlab/common/errors.h"
-#include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 namespace shardlab::hsdp {
 
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
                                                             fsdp::Options options, Wire wire) {
   if (!model) throw std::invalid_argument("fully_shard_hybrid: expected a model; got a null pointer");
+  if (options.broadcast_group != nullptr)
+    throw std::invalid_argument(
+        "fully_shard_hybrid: expected Options::broadcast_group empty (HSDP broadcasts over the whole world); got one "
+        "set");
   if (options.reducer)
     throw std::invalid_argument(
         "fully_shard_hybrid: expected Options::reducer empty (HSDP reduces with its own HsdpReducer); got one set. "
         "Choose the wire with the `wire` argument");
   // TODO(stage06): every replica from global rank 0's values, then FSDP in the row with HSDP's reducers
   throw ::shardlab::NotImplemented("06", "every replica from global rank 0's values, then FSDP in the row with HSDP's reducers");
+}
+
+void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce) {
+  std::vector<HsdpReducer*> reducers;
+  for (const auto& unit : fsdp.units()) {
+    auto* hsdp = dynamic_cast<HsdpReducer*>(&unit->reducer());
+    if (hsdp == nullptr)
+      throw std::invalid_argument("set_requires_all_reduce: unit '" + unit->name() + "' reduces with '" +
+                                  unit->reducer().name() + "'; expected an HSDP wrapper (fully_shard_hybrid)");
+    reducers.push_back(hsdp);
+  }
+  for (HsdpReducer* r : reducers) r->set_requires_all_reduce(requires_all_reduce);
 }
 
 }  // namespace shardlab::hsdp

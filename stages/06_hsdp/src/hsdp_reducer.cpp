@@ -85,6 +85,15 @@ Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output
   throw ::shardlab::NotImplemented("06", "the two-phase mean over all N ranks, divided once, the all-reduce never waited for here");
 }
 
+void HsdpReducer::discard() {
+  ++generation_;
+  partial_ = at::Tensor();
+}
+
+int64_t HsdpReducer::partial_bytes() const {
+  return partial_.defined() ? static_cast<int64_t>(partial_.numel() * partial_.element_size()) : 0;
+}
+
 fsdp::ReducerFactory hsdp_reducers(Mesh& mesh, Wire wire) {
   return [&mesh, wire](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
     if (request.shard_group != &mesh.shard_group())

@@ -34,7 +34,8 @@ enum class ReduceOp { kSum, kAvg };
 class Handle;
 
 /// Waits for every handle, also after one of them failed (a collective still in flight writes into its tensors),
-/// and returns the first failure (null when all succeeded). For end-of-backward waits and destructors.
+/// and returns the first failure (null when all succeeded). Every handle is advanced (Handle::advance) in order
+/// before any is waited for. For end-of-backward waits and destructors.
 std::exception_ptr wait_all(std::vector<Handle>& handles);
 
 /// Which c10d backend a Communicator runs on.

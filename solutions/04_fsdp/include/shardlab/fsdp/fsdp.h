@@ -96,6 +96,9 @@ struct Options {
   ReducerFactory reducer;                   ///< makes each unit's gradient reducer (empty: stage 03's
                                             ///< reduce_scatter hook, the average in the reduce dtype, on the
                                             ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
+  Communicator* broadcast_group = nullptr;  ///< the group construction broadcasts rank 0's state over, after every
+                                            ///< check (null: the wrapper's own; HSDP: the whole world, so that
+                                            ///< every replica starts alike). Must contain the wrapper's group
   bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
   bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
                                             ///< instead of malloc and free every step (Note [Why FSDP pools its

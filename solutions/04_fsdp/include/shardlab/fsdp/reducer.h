@@ -32,8 +32,10 @@ class GradientReducer {
  public:
   virtual ~GradientReducer() = default;
   /// Starts the reduction of `input` (S rows of `output.numel()` elements, flat) into `output`. When the returned
-  /// Handle's `wait()` returns, `output` holds this rank's row of the average; `input` is scratch from the call on,
-  /// and the reducer keeps it alive for as long as its collectives read it (the caller drops its own reference).
+  /// Handle's `wait()` returns, `output` holds this rank's row of the average; `input` is scratch from the call on.
+  /// The caller drops its own reference to `input` at once: the reducer keeps it alive for as long as its
+  /// collectives read it, and no longer (a two-phase reducer frees it when its first phase has landed, not at the
+  /// end of backward, or every unit's S rows would pile up).
   /// @throws std::invalid_argument naming what was expected and what came, for mismatched sizes or dtypes.
   virtual Handle operator()(const at::Tensor& input, const at::Tensor& output) = 0;
   /// Bytes the reducer (and the Communicators under it) holds privately, beyond `input` and `output`, while a call
@@ -41,13 +43,17 @@ class GradientReducer {
   virtual int64_t scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const = 0;
   /// A short name for reports and errors ("reduce_scatter", "fp16", "hsdp").
   virtual std::string name() const = 0;
+  /// Drops whatever the reducer keeps between calls, and makes the calls still in flight keep nothing: called after a
+  /// backward that threw (FsdpUnit::discard_unsharded_gradients), so that nothing of it reaches a later step. Not a
+  /// collective. The default keeps nothing.
+  virtual void discard() {}
 };
 
 /// What FullyShardedModel tells a ReducerFactory about the unit it wants a reducer for.
 struct ReducerRequest {
-  std::string unit;           ///< the unit's name ("block0", "root")
-  size_t index = 0;           ///< its index in FullyShardedModel::units()
-  Communicator* shard_group;  ///< the group the unit is sharded over (not owned; outlives the reducer)
+  std::string unit;                     ///< the unit's name ("block0", "root")
+  size_t index = 0;                     ///< its index in FullyShardedModel::units()
+  Communicator* shard_group = nullptr;  ///< the group the unit is sharded over (not owned; outlives the reducer)
 };
 
 /// Makes the reducer of one unit. Called once per unit at construction, on every rank alike.

@@ -43,7 +43,7 @@ Wire parse_wire(const std::string& name);
 /// Contract (GradientReducer's, over N = shard.size() · replicate.size() ranks):
 ///  - `input` holds S rows of `output.numel()` elements (rank-major, flat, the reduce dtype); after the handle's
 ///    `wait()`, `output` holds this rank's row of the mean over all N ranks, divided once (see the file comment);
-///    `input` is scratch.
+///    `input` is scratch, freed as soon as the reduce-scatter has landed (GradientReducer's contract).
 ///  - A compressed wire (fp16/bf16) communicates in its dtype on both groups and casts the mean back into
 ///    `output`'s dtype.
 ///  - With one replica (R = 1) it is stage 04's reduction exactly: no all-reduce at all.
@@ -64,10 +64,26 @@ class HsdpReducer final : public fsdp::GradientReducer {
   /// N: the ranks the mean is over.
   int ranks() const { return shard_.size() * replicate_.size(); }
 
+  /// With false, later calls reduce-scatter as usual but only add the row (pre-divided, summed over the shard group)
+  /// into this unit's *partial* buffer and leave zeros in `output`: no all-reduce, nothing reaches the shard's
+  /// gradient yet. The next call with true adds the partial into its row before the all-reduce, so the gradient of
+  /// a step of k micro-batches costs k reduce-scatters and one all-reduce (FSDP2's set_requires_all_reduce).
+  /// Set on every rank alike, between backward passes. See set_requires_all_reduce in hsdp.h.
+  void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
+  /// See set_requires_all_reduce.
+  bool requires_all_reduce() const { return requires_all_reduce_; }
+  /// Bytes of the partial buffer held between micro-batches (0 when none is pending).
+  int64_t partial_bytes() const;
+  /// Drops the partial buffer; deferred calls still in flight add nothing to it.
+  void discard() override;
+
  private:
   Communicator& shard_;
   Communicator& replicate_;
   Wire wire_;
+  bool requires_all_reduce_ = true;
+  at::Tensor partial_;       // the rows of deferred micro-batches, summed (wire dtype); undefined when none is pending
+  uint64_t generation_ = 0;  // bumped by discard(): deferred calls of an older generation keep nothing
 };
 
 /// The ReducerFactory of HSDP on `mesh` (which must outlive what it makes): each unit gets an HsdpReducer on the

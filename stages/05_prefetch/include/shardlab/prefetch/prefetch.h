@@ -74,7 +74,7 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   /// The policy in force.
   const PrefetchPolicy& policy() const { return policy_; }
   /// The units ahead now, in the order they were prefetched.
-  const std::vector<size_t>& ahead() const { return ahead_; }
+  std::vector<size_t> ahead() const;
   /// Prefetches issued so far (no-ops not counted).
   uint64_t issued() const { return issued_; }
   /// Prefetches skipped so far because the limit was reached.
@@ -89,9 +89,7 @@ class PrefetchSchedule : public fsdp::UnshardSchedule {
   std::vector<std::vector<size_t>> forward_lists_;   // per unit: its explicit forward list (indices), or empty
   std::vector<std::vector<size_t>> backward_lists_;  // per unit: its explicit backward list, or empty
   std::vector<bool> has_forward_list_, has_backward_list_;
-  // One iteration; reset by begin_iteration.
-  std::vector<size_t> ahead_;                       // prefetched, not yet used, in issue order
-  std::vector<bool> used_forward_, used_backward_;  // per unit: its pre-forward / pre-backward has run
+  // TODO(stage05): the state of one iteration (what is ahead, what was used), reset by begin_iteration
   uint64_t issued_ = 0;
   uint64_t skipped_for_limit_ = 0;
   uint64_t cancelled_ = 0;

@@ -18,13 +18,23 @@
 
 namespace shardlab::hsdp {
 
-/// Wraps `model` for HSDP on `mesh`: broadcasts rank 0's state over the whole world (so that every replica starts
-/// from the same values, not only every rank of a row), then shards it over the mesh's shard group with an
-/// HsdpReducer per unit. `options.reducer` must be empty (HSDP sets it); everything else of stage 04 and 05
+/// Wraps `model` for HSDP on `mesh`: stage 04's FullyShardedModel on the mesh's shard group, which broadcasts rank
+/// 0's state over the whole world once its checks passed (so that every replica starts from the same values, not
+/// only every rank of a row), with an HsdpReducer per unit. `options.reducer` and `options.broadcast_group` must be
+/// empty (HSDP sets them); everything else of stage 04 and 05
 /// (mixed precision, reshard after forward, no_sync, prefetch through prefetch::enable_prefetch) works unchanged.
 /// The model and the mesh must outlive the wrapper. A collective on the whole world.
-/// @throws std::invalid_argument for a null model or a reducer already set in `options`, before any collective.
+/// @throws std::invalid_argument for a null model or a reducer or broadcast group already set in `options`, and as
+///         FullyShardedModel does, before any collective.
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
                                                             fsdp::Options options = {}, Wire wire = Wire::kReduceDtype);
+
+/// Defers (false) or restores (true) the all-reduce across replicas of every unit of `fsdp` (an HSDP wrapper made
+/// by fully_shard_hybrid): for gradient accumulation, run the first k-1 micro-batches with false and the last with
+/// true; each unit then reduce-scatters every micro-batch and all-reduces once. Unlike `no_sync()` (which skips
+/// both collectives and keeps the unsharded gradients, one full unit per unit), the deferred micro-batches hold
+/// only one row per unit. Call on every rank alike, between backward passes.
+/// @throws std::invalid_argument when a unit's reducer is not an HsdpReducer (a wrapper that is not HSDP).
+void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce);
 
 }  // namespace shardlab::hsdp
