@@ -48,7 +48,8 @@ std::vector<at::Tensor> shards(const FullyShardedModel& fsdp) {
 
 // Every replica starts from global rank 0's values, not only every rank of a row: each rank perturbs its model by its
 // rank before wrapping, and afterwards every rank's full parameters are rank 0's originals. A wrapper that broadcasts
-// only within the shard group leaves replica 1 on rank 2's values. A reducer set by the caller is refused.
+// only within the shard group leaves replica 1 on rank 2's values. A reducer or broadcast group set by the caller is
+// refused, and a model FSDP rejects keeps each rank's own values (no broadcast before FSDP's checks).
 TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
   TrainConfig c;
   c.model = "mlp";
@@ -75,6 +76,22 @@ TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
         } catch (const std::invalid_argument& e) {
           EXPECT_NE(std::string(e.what()).find("Options::reducer"), std::string::npos) << e.what();
         }
+        fsdp::Options group;
+        group.broadcast_group = &mesh.shard_group();
+        EXPECT_THROW(fully_shard_hybrid(make_model(c, at::kCPU), mesh, group), std::invalid_argument)
+            << "a broadcast group set by the caller was accepted";
+        // A model FSDP rejects (a unit of mixed dtypes) is left as it was on every rank: nothing was broadcast.
+        auto rejected = make_model(c, at::kCPU);
+        {
+          at::NoGradGuard no_grad;
+          for (auto& p : rejected->parameters()) p.add_(static_cast<double>(world.rank()));
+          auto params = rejected->parameters();
+          params.back().set_data(params.back().to(at::kDouble));
+        }
+        const std::vector<at::Tensor> before = on_cpu(rejected->parameters());
+        EXPECT_THROW(fully_shard_hybrid(rejected, mesh), std::invalid_argument) << "a unit of mixed dtypes";
+        EXPECT_EQ(max_abs_diff(on_cpu(rejected->parameters()), before), 0)
+            << "rank " << world.rank() << ": a rejected model's values changed (a broadcast before FSDP's checks)";
       },
       test_group());
 }
@@ -413,8 +430,9 @@ TEST(HsdpCompressed, Fp16AndBf16OnBothGroupsTrainCloseToF32) {
 
 // k = 3 micro-batches per step, 2 steps, 2x2. Deferred (set_requires_all_reduce false on the first two): per unit
 // per step 3 reduce-scatters and 1 all-reduce, the partial held between micro-batches and gone after the step, every
-// rank within rtol 1e-5 of one device, shards bit-identical across replicas. no_sync on the first two instead: one
-// reduce-scatter and one all-reduce per unit per step, both on the last micro-batch.
+// rank within rtol 1e-5 of one device, shards bit-identical across replicas; the same deferred with fp16 on the wire
+// (the partial kept in f32) within 2e-3. no_sync on the first two instead: one reduce-scatter and one all-reduce per
+// unit per step, both on the last micro-batch.
 TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReducesOnce) {
   TrainConfig c;
   c.model = "mlp";
@@ -422,14 +440,15 @@ TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReduc
   c.global_batch = 24;
   c.micro_batches = 3;
   const ReferenceResult ref = train_reference(c);
-  for (const std::string mode : {"deferred", "no_sync"}) {
+  for (const std::string mode : {"deferred", "no_sync", "deferred_fp16"}) {
+    const bool fp16 = mode == "deferred_fp16", deferred = mode != "no_sync";
     std::vector<std::vector<at::Tensor>> finals(4);
     run_world(
         4,
         [&](World& world) {
           Mesh mesh(world, 2, 2);
           auto model = make_model(c, at::kCPU);
-          auto fsdp = fully_shard_hybrid(model, mesh);
+          auto fsdp = fully_shard_hybrid(model, mesh, {}, fp16 ? Wire::kFloat16 : Wire::kReduceDtype);
           auto data = make_dataset(c.model, c.seed);
           auto opt = make_optimizer(c.optimizer, fsdp->parameters(), c.lr);
           const size_t units = fsdp->units().size();
@@ -439,7 +458,7 @@ TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReduc
             for (int i = 0; i < 3; ++i) {
               const bool last = i == 2;
               const size_t mark = world.recorder().size();
-              if (mode == "deferred") {
+              if (deferred) {
                 set_requires_all_reduce(*fsdp, last);
                 (fsdp->loss(micro[i]) / 3.0).backward();
               } else if (last) {
@@ -453,13 +472,13 @@ TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReduc
                 rs += r.op == "reduce_scatter" ? 1 : 0;
                 ar += r.op == "all_reduce" ? 1 : 0;
               }
-              const size_t want_rs = mode == "deferred" || last ? units : 0, want_ar = last ? units : 0;
+              const size_t want_rs = deferred || last ? units : 0, want_ar = last ? units : 0;
               EXPECT_EQ(rs, want_rs) << mode << " step " << step << " micro-batch " << i << ": reduce-scatters";
               EXPECT_EQ(ar, want_ar) << mode << " step " << step << " micro-batch " << i << ": all-reduces";
               int64_t partial = 0;
               for (const auto& unit : fsdp->units())
                 partial += dynamic_cast<const HsdpReducer&>(unit->reducer()).partial_bytes();
-              if (mode == "deferred" && !last)
+              if (deferred && !last)
                 EXPECT_GT(partial, 0) << "deferred micro-batch " << i << ": the rows wait in the partial";
               else
                 EXPECT_EQ(partial, 0) << mode << " micro-batch " << i << ": no partial held";
@@ -472,7 +491,10 @@ TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReduc
     for (int r = 0; r < 4; ++r) {
       const double diff = max_abs_diff(finals[r], ref.params);
       std::cout << mode << " rank " << r << ": max |param - one device| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << mode << " rank " << r << " differs by " << diff;
+      if (fp16)
+        EXPECT_LT(diff, 2e-3) << mode << " rank " << r << ": the rows summed in f32, sent in fp16";
+      else
+        EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << mode << " rank " << r << " differs by " << diff;
     }
     EXPECT_EQ(max_abs_diff(finals[2], finals[0]), 0) << mode << ": the replicas of shard 0 differ";
     EXPECT_EQ(max_abs_diff(finals[3], finals[1]), 0) << mode << ": the replicas of shard 1 differ";

@@ -162,7 +162,7 @@ void FsdpUnit::validate(const std::string& name, const std::vector<std::pair<std
 
 void FsdpUnit::discard_unsharded_gradients() {
   ++generation_;
-  reducer_->discard();  // what it keeps between calls (HSDP's partial) came from the backward that threw
+  reducer_->discard();  // what it keeps between calls (HSDP's partial: this step's micro-batches so far) goes too
   for (size_t k = 0; k < params_.size(); ++k) {
     params_[k].param.mutable_grad().reset();
     if (accumulated_[k].defined()) meter_.release(MemoryKind::kGrads, bytes_of(accumulated_[k]));

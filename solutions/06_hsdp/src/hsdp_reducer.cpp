@@ -94,10 +94,12 @@ Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output
     return std::move(reduced).then([this, row, output, generation = generation_] {
       at::NoGradGuard guard;
       if (generation == generation_) {  // else its backward threw: discard() dropped the partial
+        // Kept in the output's dtype (the reduce dtype), not the wire's: k micro-batches add up without k roundings
+        // to fp16/bf16; `row` may be `output`, zeroed next, hence the copy.
         if (partial_.defined())
           partial_.add_(row);
         else
-          partial_ = row.clone();  // `row` may be `output`, zeroed next
+          partial_ = row.to(output.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
       output.zero_();
     });
@@ -105,7 +107,10 @@ Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output
   if (partial_.defined()) {  // the deferred micro-batches join this one before the all-reduce
     reduced = std::move(reduced).then([row, partial = std::exchange(partial_, at::Tensor())] {
       at::NoGradGuard guard;
-      row.add_(partial);
+      if (row.scalar_type() == partial.scalar_type())
+        row.add_(partial);
+      else
+        row.copy_(row.to(partial.scalar_type()).add_(partial));  // summed in the reduce dtype, sent in the wire's
     });
   }
   if (replicate_.size() > 1) {

@@ -98,7 +98,9 @@ struct Options {
                                             ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
   Communicator* broadcast_group = nullptr;  ///< the group construction broadcasts rank 0's state over, after every
                                             ///< check (null: the wrapper's own; HSDP: the whole world, so that
-                                            ///< every replica starts alike). Must contain the wrapper's group
+                                            ///< every replica starts alike). It must contain the wrapper's group,
+                                            ///< every rank of it constructing too: not checked (a Communicator
+                                            ///< knows no global ranks); a wrong one trains mixed replicas
   bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
   bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
                                             ///< instead of malloc and free every step (Note [Why FSDP pools its
@@ -131,7 +133,8 @@ struct MemoryTheory {
 ///
 /// Contract:
 ///  - Construct on every rank with a model of the same structure. Construction broadcasts every parameter and
-///    buffer from rank 0 (a collective), then keeps this rank's shard of each parameter. From then on the
+///    buffer from rank 0 of Options::broadcast_group (the wrapper's group by default; a collective, after every
+///    check), then keeps this rank's shard of each parameter. From then on the
 ///    model's registered parameters are *gathered* tensors that hold values only while their unit runs: the
 ///    optimizer must be built on `parameters()` (the sharded ones), and the full values are read with
 ///    `full_parameters()`. Buffers are replicated, not sharded.

@@ -65,16 +65,18 @@ class HsdpReducer final : public fsdp::GradientReducer {
   int ranks() const { return shard_.size() * replicate_.size(); }
 
   /// With false, later calls reduce-scatter as usual but only add the row (pre-divided, summed over the shard group)
-  /// into this unit's *partial* buffer and leave zeros in `output`: no all-reduce, nothing reaches the shard's
-  /// gradient yet. The next call with true adds the partial into its row before the all-reduce, so the gradient of
-  /// a step of k micro-batches costs k reduce-scatters and one all-reduce (FSDP2's set_requires_all_reduce).
-  /// Set on every rank alike, between backward passes. See set_requires_all_reduce in hsdp.h.
+  /// into this unit's *partial* buffer (in `output`'s dtype) and leave zeros in `output`: no all-reduce, nothing but
+  /// zeros reaches the shard's gradient yet (do not step the optimizer then: AdamW would still decay and count a
+  /// step). The next call with true adds the partial into its row before the all-reduce, so the gradient of a step
+  /// of k micro-batches costs k reduce-scatters and one all-reduce (FSDP2's set_requires_all_reduce). Set on every
+  /// rank alike, between backward passes. See set_requires_all_reduce in hsdp.h.
   void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
   /// See set_requires_all_reduce.
   bool requires_all_reduce() const { return requires_all_reduce_; }
   /// Bytes of the partial buffer held between micro-batches (0 when none is pending).
   int64_t partial_bytes() const;
-  /// Drops the partial buffer; deferred calls still in flight add nothing to it.
+  /// Drops the partial buffer (every deferred micro-batch of the step so far, as a backward that throws under no_sync
+  /// loses the unsharded gradients kept so far); deferred calls still in flight add nothing to it.
   void discard() override;
 
  private:
