@@ -30,13 +30,8 @@ namespace {
 
 constexpr double kRtol = 1e-5, kAtol = 1e-6;
 
+using test_support::on_cpu;
 using test_support::test_group;
-
-std::vector<at::Tensor> on_cpu(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().cpu().to(at::kFloat));
-  return out;
-}
 
 struct Case {
   std::string model, optimizer;

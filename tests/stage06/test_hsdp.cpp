@@ -9,7 +9,6 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/common/world.h"
-#include "shardlab/naive_ddp/broadcast_state.h"
 
 #include "support/gradients.h"
 #include "support/group.h"
@@ -26,14 +25,16 @@ namespace shardlab::hsdp {
 namespace {
 
 using fsdp::FullyShardedModel;
+using test_support::on_cpu;
 using test_support::test_group;
 
 constexpr double kRtol = 1e-5, kAtol = 1e-6;
 
-std::vector<at::Tensor> on_cpu(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().cpu().to(at::kFloat).clone());
-  return out;
+// Bytes every unit's HsdpReducer holds in its partial (deferred micro-batches).
+int64_t partial_bytes(const FullyShardedModel& fsdp) {
+  int64_t bytes = 0;
+  for (const auto& unit : fsdp.units()) bytes += dynamic_cast<const HsdpReducer&>(unit->reducer()).partial_bytes();
+  return bytes;
 }
 
 // This rank's shards (its real rows of every parameter), in units() order.
@@ -360,11 +361,11 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
       4,
       [&](World& world) {
         Mesh mesh(world, 2, 2);
-        naive_ddp::broadcast_state(*make_model(c, at::kCPU), world.world());  // as fully_shard_hybrid does
         std::vector<std::string> seen;
         std::vector<bool> waited;
         std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> inputs;
         fsdp::Options options;
+        options.broadcast_group = &world.world();  // as fully_shard_hybrid does
         const fsdp::ReducerFactory hsdp = hsdp_reducers(mesh);
         const std::string column = mesh.replicate_group().name();
         options.reducer = [&](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
@@ -475,9 +476,7 @@ TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReduc
               const size_t want_rs = deferred || last ? units : 0, want_ar = last ? units : 0;
               EXPECT_EQ(rs, want_rs) << mode << " step " << step << " micro-batch " << i << ": reduce-scatters";
               EXPECT_EQ(ar, want_ar) << mode << " step " << step << " micro-batch " << i << ": all-reduces";
-              int64_t partial = 0;
-              for (const auto& unit : fsdp->units())
-                partial += dynamic_cast<const HsdpReducer&>(unit->reducer()).partial_bytes();
+              const int64_t partial = partial_bytes(*fsdp);
               if (deferred && !last)
                 EXPECT_GT(partial, 0) << "deferred micro-batch " << i << ": the rows wait in the partial";
               else
@@ -516,19 +515,13 @@ TEST(HsdpAccumulation, ABackwardThatThrowsLeavesNoPartialBehind) {
         auto fsdp = fully_shard_hybrid(model, mesh);
         auto data = make_dataset(c.model, c.seed);
         const Batch mine = rank_slice(data->global_batch(0, c.global_batch), world.rank(), 4);
-        auto partial = [&] {
-          int64_t bytes = 0;
-          for (const auto& unit : fsdp->units())
-            bytes += dynamic_cast<const HsdpReducer&>(unit->reducer()).partial_bytes();
-          return bytes;
-        };
         set_requires_all_reduce(*fsdp, false);
         fsdp->loss(mine).backward();
-        EXPECT_GT(partial(), 0) << "a deferred micro-batch holds its rows";
+        EXPECT_GT(partial_bytes(*fsdp), 0) << "a deferred micro-batch holds its rows";
         at::Tensor loss = fsdp->loss(mine);
         ASSERT_TRUE(test_support::backward_cut_short_at(model->parameters().front(), [&] { loss.backward(); }));
         fsdp->loss(mine);  // settles the backward that threw
-        EXPECT_EQ(partial(), 0) << "the partial of a step whose backward threw must not reach a later step";
+        EXPECT_EQ(partial_bytes(*fsdp), 0) << "the partial of a step whose backward threw must not reach a later step";
         set_requires_all_reduce(*fsdp, true);
       },
       test_group());

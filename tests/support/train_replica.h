@@ -36,6 +36,13 @@ void train_steps(
   }
 }
 
+/// Detached float32 copies of `ts` on CPU, their own memory (what tests compare across ranks and with the reference).
+inline std::vector<at::Tensor> on_cpu(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().cpu().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  return out;
+}
+
 /// Trains `model` through `ddp` (see train_steps) for `c.steps` steps, with the batches on the model's device, and
 /// returns every parameter of the model (registration order), detached copies on CPU.
 template <typename Wrapper>

@@ -114,25 +114,22 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
     FsdpUnit::validate(slots[u].name, groups[u]);
   }
   if (!groups[root].empty()) FsdpUnit::validate("root", groups[root]);
-  // One reducer per unit (and the root), in units() order; all of them before any unit exists.
+  // One reducer per unit (the root last, when it has parameters), in units() order, before any unit exists.
   has_root_ = !groups[root].empty();
-  std::vector<std::shared_ptr<GradientReducer>> reducers(root + 1);
-  for (size_t u = 0; u <= root; ++u) {
-    if (u == root && !has_root_) break;
-    const std::string name = u == root ? "root" : slots[u].name;
-    reducers[u] = options_.reducer(ReducerRequest{name, u, &comm_});
-    if (!reducers[u])
-      throw std::invalid_argument("FullyShardedModel: Options::reducer gave no reducer for unit '" + name +
+  const size_t count = has_root_ ? root + 1 : root;
+  auto unit_name = [&](size_t u) { return u == root ? std::string("root") : slots[u].name; };
+  std::vector<std::shared_ptr<GradientReducer>> reducers;
+  for (size_t u = 0; u < count; ++u) {
+    reducers.push_back(options_.reducer(ReducerRequest{unit_name(u), u, &comm_}));
+    if (!reducers.back())
+      throw std::invalid_argument("FullyShardedModel: Options::reducer gave no reducer for unit '" + unit_name(u) +
                                   "'; expected one per unit");
   }
   // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
   naive_ddp::broadcast_state(*model_, options_.broadcast_group != nullptr ? *options_.broadcast_group : comm_);
-  for (size_t u = 0; u < root; ++u)
-    units_.push_back(std::make_unique<FsdpUnit>(slots[u].name, groups[u], comm_, options_.mixed_precision,
+  for (size_t u = 0; u < count; ++u)
+    units_.push_back(std::make_unique<FsdpUnit>(unit_name(u), groups[u], comm_, options_.mixed_precision,
                                                 std::move(reducers[u]), meter_, pool_.get()));
-  if (has_root_)
-    units_.push_back(std::make_unique<FsdpUnit>("root", groups[root], comm_, options_.mixed_precision,
-                                                std::move(reducers[root]), meter_, pool_.get()));
   for (size_t u = 0; u < units_.size(); ++u) {
     units_[u]->set_event_sink([this, u](UnitEventKind kind) {
       const uint64_t seq = events_++;

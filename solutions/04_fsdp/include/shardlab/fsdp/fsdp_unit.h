@@ -115,7 +115,9 @@ class FsdpUnit {
   /// Number of trainable parameters.
   size_t trainable_count() const;
   /// The reducer the unit's gradients go through (Options::reducer's for this unit).
-  GradientReducer& reducer() const { return *reducer_; }
+  GradientReducer& reducer() { return *reducer_; }
+  /// The reducer, read-only.
+  const GradientReducer& reducer() const { return *reducer_; }
 
   /// sharded -> unsharding: issues one all-gather of the padded shards (cast to the param dtype) into a new
   /// all-gather buffer. No-op in any other state. A collective.
