@@ -277,6 +277,24 @@ void Handle::advance() {
   }
 }
 
+Handle Handle::on_advance(std::function<void()> step) && {
+  auto once = std::make_shared<std::function<void()>>(std::move(step));
+  auto run = [once] {
+    if (!*once) return;
+    auto f = std::exchange(*once, nullptr);
+    f();
+  };
+  std::function<void()> advance = std::move(advance_);
+  advance_ = nullptr;
+  Handle h = std::move(*this).then(run);  // wait() without an advance() first
+  if (advance)
+    h.advance_ = [advance = std::move(advance), run] {
+      advance();
+      run();
+    };
+  return h;
+}
+
 Communicator::Communicator(c10::intrusive_ptr<compat::Backend> backend, BackendKind kind, std::string name,
                            std::chrono::milliseconds timeout, std::shared_ptr<CommRecorder> recorder)
     : backend_(std::move(backend)),
@@ -307,8 +325,9 @@ bool Communicator::all_gather_uses_ring(const at::Tensor& t) const {
 
 // Note [What the Communicator allocates]
 // Beside the caller's tensors, a collective may need private ones while it is in flight; a memory meter that
-// leaves them out reports less than the step holds. all_gather_scratch_bytes / reduce_scatter_scratch_bytes state
-// them by the same rules the collectives below follow (they are tested against a counting CPU allocator):
+// leaves them out reports less than the step holds. all_gather_scratch_bytes, reduce_scatter_scratch_bytes and
+// all_reduce_scratch_bytes state them by the same rules the collectives below follow (they are tested against a
+// counting CPU allocator):
 //  - a dtype the backend cannot carry (bf16 on Gloo 1.13) goes as f32 copies of input and output;
 //  - Gloo's own all-gather (AllGatherAlgorithm::kBackend, or CUDA tensors) gathers into a flat tensor of its own,
 //    then copies it out; its flat all-gather (libtorch 2.x) is the list one inside, with the same copy. The ring
@@ -325,6 +344,10 @@ int64_t Communicator::all_gather_scratch_bytes(c10::ScalarType dtype, int64_t in
   if (kind_ == BackendKind::kGloo && !gather_by_ring(kind_, ag_algorithm_, device.is_cpu()))
     bytes += size_ * input_numel * elem;
   return bytes;
+}
+
+int64_t Communicator::all_reduce_scratch_bytes(c10::ScalarType dtype, int64_t numel) const {
+  return reduces_natively(dtype) ? 0 : numel * static_cast<int64_t>(c10::elementSize(c10::kFloat));
 }
 
 int64_t Communicator::reduce_scatter_scratch_bytes(c10::ScalarType dtype, int64_t input_numel,

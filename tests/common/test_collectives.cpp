@@ -630,6 +630,49 @@ TEST(Handle, ThenIssueStartsTheSecondCollectiveAtAdvanceOnceAndWaitFinishesBoth)
       test_group());
 }
 
+// on_advance: a chained handle runs the step when advance() has issued the second collective (before the second is
+// waited for), exactly once; a plain handle, or a chained one waited for without an advance, at wait().
+TEST(Handle, OnAdvanceRunsOnceWhenTheFirstPhaseHasLandedOrAtWait) {
+  run_world(
+      2,
+      [](World& world) {
+        Communicator& all = world.world();
+        Communicator& other = world.group("pair", {0, 1});
+        at::Tensor x = at::ones({4}), y = at::ones({3});
+        std::vector<std::string> steps;
+        Handle chained = all.all_reduce(x)
+                             .then_issue([&] {
+                               steps.push_back("issue");
+                               return other.all_reduce(y);
+                             })
+                             .on_advance([&] { steps.push_back("advanced"); })
+                             .then([&] { steps.push_back("after"); });
+        EXPECT_TRUE(steps.empty());
+        chained.advance();
+        EXPECT_EQ(steps, (std::vector<std::string>{"issue", "advanced"})) << "the step runs at advance()";
+        chained.advance();
+        chained.wait();
+        EXPECT_EQ(steps, (std::vector<std::string>{"issue", "advanced", "after"})) << "and never again";
+
+        steps.clear();
+        Handle unadvanced = all.all_reduce(x)
+                                .then_issue([&] {
+                                  steps.push_back("issue");
+                                  return other.all_reduce(y);
+                                })
+                                .on_advance([&] { steps.push_back("advanced"); });
+        unadvanced.wait();
+        EXPECT_EQ(steps, (std::vector<std::string>{"issue", "advanced"})) << "wait() without advance() runs it too";
+
+        steps.clear();
+        Handle plain =
+            all.all_reduce(x).then([&] { steps.push_back("finish"); }).on_advance([&] { steps.push_back("advanced"); });
+        plain.advance();
+        EXPECT_EQ(steps, (std::vector<std::string>{"finish", "advanced"})) << "a plain handle: after its own finish";
+      },
+      test_group());
+}
+
 // comm_time: busy is the union of the closed collectives' spans, exposed the part of it inside the waits (their
 // union too), both clipped to the window; a pending collective (end 0) counts for nothing.
 TEST(CommTime, BusyIsTheUnionOfTheSpansAndExposedItsPartInsideTheWaitsWithinTheWindow) {

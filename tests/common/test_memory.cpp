@@ -24,7 +24,7 @@ CountingCpuAllocator& counting() {
 }
 
 struct ScratchCase {
-  std::string op;  // "all_gather" or "reduce_scatter"
+  std::string op;  // "all_gather", "reduce_scatter" or "all_reduce"
   c10::ScalarType dtype;
   ReduceScatterAlgorithm algorithm;
   AllGatherAlgorithm gather_algorithm = AllGatherAlgorithm::kAuto;
@@ -49,16 +49,20 @@ TEST_P(CommunicatorScratch, WhatACollectiveAllocatesIsWhatItStates) {
       [&](Communicator& comm) {
         comm.set_reduce_scatter_algorithm(c.algorithm);
         comm.set_all_gather_algorithm(c.gather_algorithm);
-        const bool gather = c.op == "all_gather";
+        const bool gather = c.op == "all_gather", all_reduce = c.op == "all_reduce";
         at::Tensor small = at::ones({kChunk}, at::TensorOptions().dtype(c.dtype));
         at::Tensor large = at::ones({2 * kChunk}, at::TensorOptions().dtype(c.dtype));
-        const int64_t stated = gather ? comm.all_gather_scratch_bytes(c.dtype, kChunk, c10::Device(c10::kCPU))
-                                      : comm.reduce_scatter_scratch_bytes(c.dtype, 2 * kChunk, c10::Device(c10::kCPU));
+        const int64_t stated = all_reduce ? comm.all_reduce_scratch_bytes(c.dtype, kChunk)
+                               : gather
+                                   ? comm.all_gather_scratch_bytes(c.dtype, kChunk, c10::Device(c10::kCPU))
+                                   : comm.reduce_scatter_scratch_bytes(c.dtype, 2 * kChunk, c10::Device(c10::kCPU));
         comm.barrier();
         if (comm.rank() == 0) counting().reset_peak();
         const int64_t before = counting().live();
         comm.barrier();
-        if (gather) {
+        if (all_reduce) {
+          comm.all_reduce(small).wait();
+        } else if (gather) {
           comm.all_gather(large, small).wait();
         } else {
           comm.reduce_scatter(small, large).wait();
@@ -69,8 +73,10 @@ TEST_P(CommunicatorScratch, WhatACollectiveAllocatesIsWhatItStates) {
           std::cout << name_of(c) << ": stated " << stated << " bytes per rank; the process's CPU allocations rose by "
                     << rise << " over the collective (2 ranks)\n";
         // Gloo on CPU works on a private copy, but for the ring all-gather of a dtype Gloo carries, which writes
-        // straight into the output (Note [Ring all-gather]).
-        const bool copies = !gather || !comm.reduces_natively(c.dtype) || !comm.all_gather_uses_ring(large);
+        // straight into the output (Note [Ring all-gather]), and an all-reduce of such a dtype, in place.
+        const bool copies = all_reduce
+                                ? !comm.reduces_natively(c.dtype)
+                                : !gather || !comm.reduces_natively(c.dtype) || !comm.all_gather_uses_ring(large);
         EXPECT_EQ(stated > 0, copies) << "stated " << stated;
         EXPECT_GE(rise, stated) << "less was allocated than stated: the statement counts a copy that is not made";
         EXPECT_LE(rise, 2 * stated) << "more was allocated than the two ranks' stated copies: a hidden buffer";
@@ -87,7 +93,9 @@ INSTANTIATE_TEST_SUITE_P(Common, CommunicatorScratch,
                                            ScratchCase{"reduce_scatter", at::kFloat, ReduceScatterAlgorithm::kRing},
                                            ScratchCase{"reduce_scatter", at::kFloat,
                                                        ReduceScatterAlgorithm::kAllReduce},
-                                           ScratchCase{"reduce_scatter", at::kBFloat16, ReduceScatterAlgorithm::kRing}),
+                                           ScratchCase{"reduce_scatter", at::kBFloat16, ReduceScatterAlgorithm::kRing},
+                                           ScratchCase{"all_reduce", at::kFloat, ReduceScatterAlgorithm::kAuto},
+                                           ScratchCase{"all_reduce", at::kBFloat16, ReduceScatterAlgorithm::kAuto}),
                          [](const auto& info) { return name_of(info.param); });
 
 TEST(BufferPool, ReusesAFreedBlockForTheSameSizeAndASlightlySmallerOne) {

@@ -57,7 +57,25 @@ else:
                       f"{report['collectives_per_step_theory']}")
     if report["bytes_per_step"] != report["bytes_per_step_theory"]:
         errors.append(f"bytes per step {report['bytes_per_step']} differ from theory {report['bytes_per_step_theory']}")
-    if report["strategy"].startswith("fsdp"):
+    # Per group (hsdp: its row's shard group and its column's replicate group; every other strategy: the world),
+    # measured on rank 0 beside the theory of that group.
+    groups = report.get("groups", {})
+    print("groups", groups)
+    if not groups:
+        errors.append("missing the per-group figures ('groups')")
+    for role, g in groups.items():
+        for what in ("bytes_per_step",) if auto else ("collectives_per_step", "bytes_per_step"):
+            if g.get(what) != g.get(what + "_theory"):
+                errors.append(f"{role} group: {what} {g.get(what)} differ from theory {g.get(what + '_theory')}")
+    mesh = next((v for a, v in zip(args, args[1:]) if a == "--mesh"), None)
+    if mesh is not None:
+        replicas = int(mesh.split("x")[0])
+        if report.get("mesh") != mesh:
+            errors.append(f"expected mesh {mesh} in the report; got {report.get('mesh')!r}")
+        want = {"shard", "replicate"} if replicas > 1 else {"shard"}
+        if set(groups) != want:
+            errors.append(f"a {mesh} mesh communicates on the groups {sorted(want)}; got {sorted(groups)}")
+    if report["strategy"].startswith("fsdp") or report["strategy"] == "hsdp":
         # Memory: measured by FSDP's meter. Parameters: the theory is the peak the design holds, buffer for buffer
         # (a measured peak below it means the meter misses a buffer; above 1.05x, the design holds one too many).
         # Gradients: the theory is an upper bound (Note [The gradient peak, walked]): measured above it means a

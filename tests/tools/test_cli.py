@@ -32,7 +32,17 @@ expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-depth", "-
 expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-limit", "two"], 2,
        "--prefetch-limit expects an integer")
 expect([shardlab, "train", "--strategy", "fsdp", "--prefetch-depth", "2"], 2,
-       "--prefetch-depth sets the prefetch of strategy fsdp_prefetch; got strategy 'fsdp'")
+       "--prefetch-depth sets the prefetch of strategies fsdp_prefetch and hsdp; got strategy 'fsdp'")
+# The mesh: its form, its size against --world-size, and only for hsdp; all before any rank starts.
+expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "2by2"], 2,
+       "--mesh expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '2by2'")
+expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "0x2"], 2, "--mesh expects replicas x shards")
+expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "2x2", "--world-size", "6"], 2,
+       "--mesh 2x2 has 4 ranks; got --world-size 6")
+expect([shardlab, "train", "--strategy", "fsdp", "--mesh", "2x2"], 2,
+       "--mesh sets the mesh of strategy hsdp; got strategy 'fsdp'")
+expect([shardlab, "train", "--strategy", "hsdp", "--defer-all-reduce", "yes"], 2,
+       "--defer-all-reduce expects one of true|false; got 'yes'")
 expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat expects an integer in [1, 20]; got '0'")
 expect([shardlab, "train", "--world-size", "0"], 2, "--world-size expects an integer in [1, 64]; got '0'")
 expect([shardlab, "train", "--steps", "ten"], 2, "--steps expects an integer")

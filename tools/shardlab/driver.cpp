@@ -130,10 +130,15 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.trace_dir = o.trace_dir;
   r.reshard_after_forward = o.strategy_options.reshard_after_forward;
   r.pool_buffers = o.strategy_options.pool_buffers;
-  if (o.strategy == "fsdp_prefetch") {
+  if (prefetches(o.strategy)) {
     r.prefetch_depth = o.strategy_options.prefetch_depth;
     r.prefetch_limit = o.strategy_options.prefetch_limit > 0 ? o.strategy_options.prefetch_limit
                                                              : std::max(1, o.strategy_options.prefetch_depth);
+  }
+  if (o.strategy == "hsdp") {
+    const auto [replicas, shards] = mesh_shape(o.strategy_options, o.world_size);
+    r.mesh = std::to_string(replicas) + "x" + std::to_string(shards);
+    r.defer_all_reduce = o.strategy_options.defer_all_reduce;
   }
   r.comm_yield = o.comm_yield;
   r.backend = strategy.distributed ? o.backend : "none";
@@ -172,6 +177,12 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       r.peak_grad_bytes_theory = first("peak_grad_bytes_theory");
       r.auto_caps = text["auto_caps"];
       r.auto_caps_buckets_theory = first("auto_caps_buckets_theory");
+      for (const auto& [key, values] : text) {
+        if (key.rfind("group_", 0) != 0 || values.size() != 2) continue;
+        GroupTraffic& g = r.groups[key.substr(6)];
+        g.collectives = values[0] / o.train.steps;
+        g.bytes = values[1] / o.train.steps;
+      }
     }
     r.peak_rss_bytes.push_back(text["peak_rss_bytes"].empty() ? 0.0 : text["peak_rss_bytes"][0]);
     std::ifstream in(prefix + ".params", std::ios::binary);
@@ -184,6 +195,15 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   const Theory theory = strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;
+  if (strategy.distributed) {
+    const std::map<std::string, Traffic> by_role =
+        theory.groups.empty() ? std::map<std::string, Traffic>{{"world", {theory.collectives, theory.bytes}}}
+                              : theory.groups;
+    for (const auto& [role, t] : by_role) {
+      r.groups[role].collectives_theory = t.collectives;
+      r.groups[role].bytes_theory = t.bytes;
+    }
+  }
   return r;
 }
 
@@ -192,6 +212,9 @@ void print_report(const RunReport& r) {
             << "  model " << r.train.model << ", world size " << r.world_size << ", global batch "
             << r.train.global_batch << ", micro-batches " << r.train.micro_batches << ", " << r.train.optimizer
             << " lr " << r.train.lr << ", seed " << r.train.seed << ", " << r.train.device << " over " << r.backend
+            << (r.mesh.empty() ? ""
+                               : ", mesh " + r.mesh + " (replicas x shards)" +
+                                     (r.defer_all_reduce ? ", all-reduce deferred to the last micro-batch" : ""))
             << "\n\n"
             << "  loss: over the global batch (the mean of the ranks' equal slices), as the progress bar shows it\n"
             << "  step        loss   reference   |difference|\n";
@@ -206,6 +229,11 @@ void print_report(const RunReport& r) {
             << r.setup_collectives
             << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step) << " (theory "
             << static_cast<int64_t>(r.bytes_per_step_theory) << ")\n";
+  if (r.groups.size() > 1)
+    for (const auto& [role, g] : r.groups)
+      std::cout << "    on the " << role << " group: " << g.collectives << " collectives (theory "
+                << g.collectives_theory << "), " << static_cast<int64_t>(g.bytes) << " bytes (theory "
+                << static_cast<int64_t>(g.bytes_theory) << ")\n";
   if (r.bytes_per_step != r.bytes_per_step_theory && r.strategy == "hook_bf16")
     std::cout << "  (the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks])\n";
   if (r.buckets > 0) std::cout << "  buckets: " << r.buckets << "\n";
@@ -219,12 +247,11 @@ void print_report(const RunReport& r) {
               << static_cast<int64_t>(r.peak_param_bytes_theory) << "), gradients "
               << static_cast<int64_t>(r.peak_grad_bytes) << " bytes (theory "
               << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
-              << (r.strategy.rfind("fsdp", 0) == 0 ? ", measured" : ", a full replica") << "\n";
+              << (shards_parameters(r.strategy) ? ", measured" : ", a full replica") << "\n";
   if (!r.peak_rss_bytes.empty()) {
     std::cout << "  peak RSS per rank, second half of the steps (what the operating system saw):";
     for (double b : r.peak_rss_bytes) std::cout << " " << static_cast<int64_t>(b / (1 << 20)) << " MiB";
-    std::cout << (r.strategy.rfind("fsdp", 0) == 0 ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)")
-                                                   : "")
+    std::cout << (shards_parameters(r.strategy) ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "")
               << "\n";
   }
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
@@ -251,18 +278,20 @@ void print_comparison(const std::vector<RunReport>& reports) {
   std::cout << "\nshardlab compare: model " << t.model << ", global batch " << t.global_batch << ", " << t.steps
             << " steps, " << t.optimizer << " lr " << t.lr << ", seed " << t.seed
             << "; losses over the global batch\n\n";
-  std::cout << std::left << std::setw(18) << "strategy" << std::right << std::setw(6) << "world" << std::setw(12)
-            << "final loss" << std::setw(12) << "reference" << std::setw(14) << "max |dparam|" << std::setw(12)
-            << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
-            << "(theory)" << std::setw(12) << "step ms" << std::setw(13) << "exposed ms" << std::setw(12) << "param B"
-            << std::setw(10) << "(theory)" << std::setw(12) << "grad B" << std::setw(10) << "(theory)"
+  std::cout << std::left << std::setw(18) << "strategy" << std::right << std::setw(6) << "world" << std::setw(6)
+            << "mesh" << std::setw(12) << "final loss" << std::setw(12) << "reference" << std::setw(14)
+            << "max |dparam|" << std::setw(12) << "coll/step" << std::setw(10) << "(theory)" << std::setw(14)
+            << "bytes/step" << std::setw(12) << "(theory)" << std::setw(12) << "step ms" << std::setw(13)
+            << "exposed ms" << std::setw(12) << "param B" << std::setw(10) << "(theory)" << std::setw(12) << "grad B"
+            << std::setw(10) << "(theory)"
             << "\n";
   for (const auto& r : reports) {
-    std::cout << std::left << std::setw(18) << r.strategy << std::right << std::setw(6) << r.world_size << std::fixed
-              << std::setprecision(5) << std::setw(12) << r.losses.back() << std::setw(12) << r.reference_losses.back()
-              << std::scientific << std::setprecision(2) << std::setw(14) << r.max_param_diff << std::defaultfloat
-              << std::setw(12) << r.collectives_per_step << std::setw(10) << r.collectives_per_step_theory
-              << std::setw(14) << static_cast<int64_t>(r.bytes_per_step) << std::setw(12)
+    std::cout << std::left << std::setw(18) << r.strategy << std::right << std::setw(6) << r.world_size << std::setw(6)
+              << (r.mesh.empty() ? "-" : r.mesh) << std::fixed << std::setprecision(5) << std::setw(12)
+              << r.losses.back() << std::setw(12) << r.reference_losses.back() << std::scientific
+              << std::setprecision(2) << std::setw(14) << r.max_param_diff << std::defaultfloat << std::setw(12)
+              << r.collectives_per_step << std::setw(10) << r.collectives_per_step_theory << std::setw(14)
+              << static_cast<int64_t>(r.bytes_per_step) << std::setw(12)
               << static_cast<int64_t>(r.bytes_per_step_theory) << std::fixed << std::setprecision(2) << std::setw(12)
               << r.step_time_ms << std::setw(13) << r.exposed_comm_ms_per_step << std::defaultfloat << std::setw(12)
               << static_cast<int64_t>(r.peak_param_bytes) << std::setw(10)
@@ -270,6 +299,15 @@ void print_comparison(const std::vector<RunReport>& reports) {
               << static_cast<int64_t>(r.peak_grad_bytes) << std::setw(10)
               << static_cast<int64_t>(r.peak_grad_bytes_theory) << "\n";
   }
+  std::cout << "\nper group and step (rank 0; hsdp: shard = its row, replicate = its column)\n"
+            << std::left << std::setw(18) << "strategy" << std::setw(11) << "group" << std::right << std::setw(12)
+            << "coll/step" << std::setw(10) << "(theory)" << std::setw(14) << "bytes/step" << std::setw(12)
+            << "(theory)\n";
+  for (const auto& r : reports)
+    for (const auto& [role, g] : r.groups)
+      std::cout << std::left << std::setw(18) << r.strategy << std::setw(11) << role << std::right << std::setw(12)
+                << g.collectives << std::setw(10) << g.collectives_theory << std::setw(14)
+                << static_cast<int64_t>(g.bytes) << std::setw(12) << static_cast<int64_t>(g.bytes_theory) << "\n";
 }
 
 namespace {
@@ -326,7 +364,18 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
   out << ",\n"
       << pad << "  \"auto_caps_buckets_theory\": " << r.auto_caps_buckets_theory << ",\n"
       << pad << "  \"pool_buffers\": " << (r.pool_buffers ? "true" : "false") << ",\n"
-      << pad << "  \"peak_rss_bytes\": ";
+      << pad << "  \"mesh\": \"" << r.mesh << "\",\n"
+      << pad << "  \"defer_all_reduce\": " << (r.defer_all_reduce ? "true" : "false") << ",\n"
+      << pad << "  \"groups\": {";
+  bool first_group = true;
+  for (const auto& [role, g] : r.groups) {
+    out << (first_group ? "" : ",") << "\n"
+        << pad << "    \"" << role << "\": {\"collectives_per_step\": " << g.collectives
+        << ", \"collectives_per_step_theory\": " << g.collectives_theory << ", \"bytes_per_step\": " << g.bytes
+        << ", \"bytes_per_step_theory\": " << g.bytes_theory << "}";
+    first_group = false;
+  }
+  out << (first_group ? "" : "\n" + pad + "  ") << "},\n" << pad << "  \"peak_rss_bytes\": ";
   json_array(out, r.peak_rss_bytes);
   out << ",\n" << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n" << pad << "}";
 }

@@ -4,6 +4,7 @@
 
 #include "shardlab/common/device.h"
 #include "shardlab/common/model.h"
+#include "shardlab/common/world.h"
 
 #include <unistd.h>
 
@@ -60,6 +61,21 @@ std::string one_of(const std::string& flag, const std::string& value, const std:
 // The strategies --bucket-cap-kb auto applies to: those built on stage 02's BucketedDDP.
 bool has_buckets(const std::string& strategy) {
   return strategy == "bucketed_ddp" || strategy == "overlap_optimizer" || strategy.rfind("hook_", 0) == 0;
+}
+
+// "RxS" as Mesh::parse reads it, re-worded to name the flag.
+std::string mesh_flag(const std::string& flag, const std::string& value) {
+  try {
+    Mesh::parse(value);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(flag + " expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '" + value +
+                                "'");
+  }
+  return value;
+}
+
+bool given(const std::vector<std::string>& args, const char* flag) {
+  return std::find(args.begin(), args.end(), flag) != args.end();
 }
 
 }  // namespace
@@ -133,12 +149,28 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.strategy_options.prefetch_limit = static_cast<int>(parse_int(flag, v, 0, 64));
     else if (flag == "--pool-buffers")
       o.strategy_options.pool_buffers = one_of(flag, v, {"true", "false"}) == "true";
+    else if (flag == "--mesh")
+      o.strategy_options.mesh = mesh_flag(flag, v);
+    else if (flag == "--defer-all-reduce")
+      o.strategy_options.defer_all_reduce = one_of(flag, v, {"true", "false"}) == "true";
     else
       throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
   }
+  if (!o.strategy_options.mesh.empty()) {  // the mesh says how many ranks; --world-size may only agree with it
+    const auto [replicas, shards] = Mesh::parse(o.strategy_options.mesh);
+    if (given(args, "--world-size") && o.world_size != replicas * shards)
+      throw std::invalid_argument("--mesh " + o.strategy_options.mesh + " has " + std::to_string(replicas * shards) +
+                                  " ranks; got --world-size " + std::to_string(o.world_size) +
+                                  " (drop --world-size or make them agree)");
+    o.world_size = replicas * shards;
+  }
+  for (const char* flag : {"--mesh", "--defer-all-reduce"}) {
+    if (allow_strategy && o.strategy != "hsdp" && given(args, flag))
+      throw std::invalid_argument(std::string(flag) + " sets the mesh of strategy hsdp; got strategy '" + o.strategy +
+                                  "'");
+  }
   const int world = o.strategy == "single" ? 1 : o.world_size;
-  if (o.strategy == "single" && allow_strategy && o.world_size != 1 &&
-      std::find(args.begin(), args.end(), "--world-size") != args.end())
+  if (o.strategy == "single" && allow_strategy && o.world_size != 1 && given(args, "--world-size"))
     throw std::invalid_argument("--strategy single runs on one rank; got --world-size " + std::to_string(o.world_size) +
                                 " (drop the flag or pass 1)");
   if (o.strategy == "single") o.world_size = 1;
@@ -173,9 +205,9 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
         "hook_* strategies; got strategy '" +
         o.strategy + "', which has none");
   for (const char* flag : {"--prefetch-depth", "--prefetch-limit"}) {
-    if (allow_strategy && o.strategy != "fsdp_prefetch" && std::find(args.begin(), args.end(), flag) != args.end())
-      throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategy fsdp_prefetch; got strategy '" +
-                                  o.strategy + "'");
+    if (allow_strategy && !prefetches(o.strategy) && given(args, flag))
+      throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategies fsdp_prefetch and hsdp; got " +
+                                  "strategy '" + o.strategy + "'");
   }
   return o;
 }
@@ -226,9 +258,14 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 o.strategy_options.reshard_after_forward ? "true" : "false",
                                 "--pool-buffers",
                                 o.strategy_options.pool_buffers ? "true" : "false"};
-  if (o.strategy == "fsdp_prefetch") {  // only there: the worker refuses them for other strategies, as train does
+  if (prefetches(o.strategy)) {  // only there: the worker refuses them for other strategies, as train does
     args.insert(args.end(), {"--prefetch-depth", std::to_string(o.strategy_options.prefetch_depth), "--prefetch-limit",
                              std::to_string(o.strategy_options.prefetch_limit)});
+  }
+  if (o.strategy == "hsdp") {
+    const auto [replicas, shards] = mesh_shape(o.strategy_options, o.world_size);
+    args.insert(args.end(), {"--mesh", std::to_string(replicas) + "x" + std::to_string(shards), "--defer-all-reduce",
+                             o.strategy_options.defer_all_reduce ? "true" : "false"});
   }
   for (const auto& [flag, value] :
        {std::pair<const char*, std::string>{"--param-dtype", o.strategy_options.param_dtype},
@@ -281,9 +318,13 @@ std::string usage() {
          "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the "
          "parameters'\n"
          "  --reduce-dtype T    FSDP: reduce-scatter dtype             default: the param dtype\n"
-         "  --prefetch-depth N  fsdp_prefetch: units whose all-gather is issued ahead, in forward and in\n"
-         "                      backward (0: none)                     default 1\n"
-         "  --prefetch-limit K  fsdp_prefetch: most units ahead at once (0: the depth)  default 0\n"
+         "  --prefetch-depth N  fsdp_prefetch, hsdp: units whose all-gather is issued ahead, in forward and\n"
+         "                      in backward (0: none)                  default 1\n"
+         "  --prefetch-limit K  fsdp_prefetch, hsdp: most units ahead at once (0: the depth)  default 0\n"
+         "  --mesh RxS          hsdp: R replicas of S shards (sets the world size to R*S)\n"
+         "                      default 2x(N/2) for an even world size N, else 1xN\n"
+         "  --defer-all-reduce true|false  hsdp with --micro-batches > 1: reduce-scatter every micro-batch and\n"
+         "                      all-reduce across replicas once (false: no_sync)  default false\n"
          "  --cpu-allocator system|pool  every CPU tensor of 1 MiB or more from a reusing pool  default system\n"
          "  --pool-buffers true|false  FSDP: reuse the units' buffers (false: malloc/free each time)  default true\n"
          "  --threads N         compute threads per rank, libtorch's and OpenBLAS's (0: OMP_NUM_THREADS, which\n"

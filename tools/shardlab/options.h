@@ -20,6 +20,9 @@ struct StrategyOptions {
   int prefetch_depth = 1;             ///< --prefetch-depth N (fsdp_prefetch): units ahead in forward and backward
   int prefetch_limit = 0;             ///< --prefetch-limit K (fsdp_prefetch): most units ahead; 0 = the depth
   bool pool_buffers = true;           ///< --pool-buffers true|false (FSDP): reuse the units' buffers, or malloc
+  std::string mesh;                   ///< --mesh RxS (hsdp): replicas x shards; "" = mesh_shape()'s default
+  bool defer_all_reduce = false;      ///< --defer-all-reduce true|false (hsdp): accumulate by reduce-scattering
+                                      ///< every micro-batch and all-reducing once, instead of no_sync
 };
 
 /// Everything one run needs; filled from flags by parse_options.

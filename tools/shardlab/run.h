@@ -3,10 +3,19 @@
 
 #include "options.h"
 
+#include <map>
 #include <string>
 #include <vector>
 
 namespace shardlab::cli {
+
+/// Rank 0's traffic per step on the groups of one role, measured beside theory.
+struct GroupTraffic {
+  double collectives = 0;         ///< collectives per step
+  double bytes = 0;               ///< payload bytes handed to the backend per step
+  double collectives_theory = 0;  ///< what theory says
+  double bytes_theory = 0;        ///< what theory says
+};
 
 /// One finished run, ready to print or write as JSON.
 struct RunReport {
@@ -49,7 +58,12 @@ struct RunReport {
   /// VmHWM after resetting it (clear_refs), or the most VmRSS sampled after each step where that is refused.
   /// See Note [Peak RSS over the steady state] in worker.cpp.
   std::vector<double> peak_rss_bytes;
-  bool pool_buffers = true;  ///< FSDP: --pool-buffers
+  bool pool_buffers = true;       ///< FSDP: --pool-buffers
+  std::string mesh;               ///< hsdp: "RxS" (replicas x shards); "" for every other strategy
+  bool defer_all_reduce = false;  ///< hsdp: --defer-all-reduce
+  /// Per group role ("world"; hsdp: "shard", "replicate"): rank 0's traffic per step beside theory. The roles of
+  /// theory and of the measurement together.
+  std::map<std::string, GroupTraffic> groups;
 };
 
 /// Body of `shardlab worker`: trains this rank (RANK etc. from the environment) and writes its results into

@@ -7,6 +7,7 @@
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
 #include "shardlab/fsdp/fsdp.h"
+#include "shardlab/hsdp/hsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "shardlab/prefetch/prefetch.h"
 
@@ -89,25 +90,34 @@ template <typename Wrapper>
 void begin_step_memory(Wrapper&) {}
 void begin_step_memory(fsdp::FullyShardedModel& w) { w.reset_memory_peaks(); }
 template <typename Wrapper>
-MemoryFigures step_memory(const Wrapper&, const Model& model, int /*micro_batches*/) {
+MemoryFigures step_memory(const Wrapper&, const Model& model, int /*micro_batches*/, fsdp::Accumulation) {
   return replica_memory(model);
 }
-MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&, int micro_batches) {
-  const fsdp::MemoryTheory t = w.memory_theory(micro_batches);
+MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&, int micro_batches,
+                          fsdp::Accumulation accumulation) {
+  const fsdp::MemoryTheory t = w.memory_theory(micro_batches, accumulation);
   return {static_cast<double>(w.memory().peak_param_bytes), static_cast<double>(t.peak_param_bytes),
           static_cast<double>(w.memory().peak_grad_bytes), static_cast<double>(t.peak_grad_bytes)};
 }
 
+// How the micro-batches of a step before the last keep their gradients local: null = Wrapper::no_sync(); else
+// called with false before each of them and with true before the last (HSDP's deferred all-reduce).
+using Accumulation = std::function<void(bool last)>;
+
 // Runs micro-batches and the optimizer; `Wrapper` decides how gradients are synchronized. Wrapper::no_sync() must
 // return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy. With an `overlapped`
 // optimizer (stage 03's hook_then_optimizer, already in the wrapper's reducer) the synchronized backward steps the
-// parameters itself, and there is no optimizer step after it.
+// parameters itself, and there is no optimizer step after it. `keep` is whatever the wrapper needs alive until it
+// is gone (HSDP's mesh).
 template <typename Wrapper>
 class WrappedRunner : public StepRunner {
  public:
   WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper,
-                std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr)
-      : config_(c),
+                std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr,
+                std::shared_ptr<void> keep = nullptr, Accumulation accumulation = nullptr)
+      : keep_(std::move(keep)),
+        accumulation_(std::move(accumulation)),
+        config_(c),
         model_(std::move(model)),
         wrapper_(std::move(wrapper)),
         overlapped_(std::move(overlapped)),
@@ -135,7 +145,10 @@ class WrappedRunner : public StepRunner {
         loss.backward();
         loss_sum += loss.item<double>();
       };
-      if (i + 1 < m) {
+      if (accumulation_) {
+        accumulation_(i + 1 == m);
+        run();
+      } else if (i + 1 < m) {
         [[maybe_unused]] auto scope = wrapper_->no_sync();
         run();
       } else {
@@ -146,7 +159,8 @@ class WrappedRunner : public StepRunner {
       Timeline::Scope span(timeline_, "optimizer", step);
       optimizer_->step();
     }
-    const MemoryFigures now = step_memory(*wrapper_, *model_, config_.micro_batches);
+    const MemoryFigures now = step_memory(*wrapper_, *model_, config_.micro_batches,
+                                          accumulation_ ? fsdp::Accumulation::kReduce : fsdp::Accumulation::kNoSync);
     memory_.peak_param_bytes = std::max(memory_.peak_param_bytes, now.peak_param_bytes);
     memory_.peak_grad_bytes = std::max(memory_.peak_grad_bytes, now.peak_grad_bytes);
     memory_.peak_param_bytes_theory = now.peak_param_bytes_theory;
@@ -167,6 +181,8 @@ class WrappedRunner : public StepRunner {
   Wrapper& wrapper() { return *wrapper_; }
 
  private:
+  std::shared_ptr<void> keep_;  // first: destroyed after the wrapper
+  Accumulation accumulation_;
   TrainConfig config_;
   std::shared_ptr<Model> model_;
   std::unique_ptr<Wrapper> wrapper_;
@@ -186,7 +202,7 @@ double payload_bytes(const Model& model, double scale) {
 // Naive DDP's traffic: one all-reduce per trainable parameter, of its full size (an upper bound when a
 // parameter can go without a gradient in a step, as the edge model's `sometimes` does on odd steps).
 Theory per_parameter_all_reduce(const Model& model) {
-  return {static_cast<double>(trainable_parameters(model).size()), payload_bytes(model, 1.0)};
+  return {static_cast<double>(trainable_parameters(model).size()), payload_bytes(model, 1.0), {}};
 }
 
 bucketed_ddp::BucketCaps caps(const StrategyOptions& s) { return {s.first_bucket_cap_bytes, s.bucket_cap_bytes}; }
@@ -237,7 +253,7 @@ int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const buckete
 // rebuild; the rebuild keeps the count for these models), of the whole gradient.
 Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, double scale) {
   const int64_t buckets = buckets_by_cap_rule(trainable_parameters(model), caps(s));
-  return {static_cast<double>(buckets), payload_bytes(model, scale)};
+  return {static_cast<double>(buckets), payload_bytes(model, scale), {}};
 }
 
 // --bucket-cap-kb auto: after step 2 (the first warm backward, on the rebuilt layout) measure the all-reduce's
@@ -309,11 +325,12 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
           [scale](const Model& m, int, const StrategyOptions& s, const TrainConfig&) {
             return per_bucket_all_reduce(m, s, scale);
           },
-          [hook](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
+          [hook](const TrainConfig& c, const StrategyOptions& s, World* world) -> std::unique_ptr<StepRunner> {
             auto model = model_on_device(c);
             bucketed_ddp::Options options = ddp_options(s, c.model);
-            if (!hook.empty()) options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, *comm));
-            return bucketed_runner(c, s, *comm, model, std::move(options));
+            if (!hook.empty())
+              options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, world->world()));
+            return bucketed_runner(c, s, world->world(), model, std::move(options));
           }};
 }
 
@@ -324,14 +341,14 @@ Strategy overlapped_optimizer() {
           [](const Model& m, int, const StrategyOptions& s, const TrainConfig&) {
             return per_bucket_all_reduce(m, s, 1.0);
           },
-          [](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
+          [](const TrainConfig& c, const StrategyOptions& s, World* world) -> std::unique_ptr<StepRunner> {
             auto model = model_on_device(c);
             auto optimizer = std::make_shared<comm_hooks::OverlappedOptimizer>(
                 trainable_parameters(*model),
                 [&c](std::vector<at::Tensor> p) { return make_optimizer(c.optimizer, std::move(p), c.lr); });
             bucketed_ddp::Options options = ddp_options(s, c.model);
             options.reducer = comm_hooks::hook_then_optimizer(nullptr, optimizer);
-            return bucketed_runner(c, s, *comm, model, std::move(options), optimizer);
+            return bucketed_runner(c, s, world->world(), model, std::move(options), optimizer);
           }};
 }
 
@@ -345,56 +362,127 @@ fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
   return o;
 }
 
-// FSDP's traffic per step, from the layout (B units with parameters, and the root when it has any): forward
-// gathers every unit once, backward gathers the units again when they were freed (raf) and reduce-scatters every
-// unit with trainable parameters; every micro-batch gathers, only the last reduces. Bytes are what rank 0 hands to
-// the backend: its padded shards for an all-gather; for a reduce-scatter, N-1 of the N rows of padded gradients on
-// CPU where the ring pays (Note [Ring reduce-scatter]) or all N (NCCL's own, Gloo's all-reduce fallback).
-Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train) {
-  std::vector<std::vector<at::Tensor>> groups;
+// One FSDP unit as theory sees it, on a group of `world` ranks: Σ padded shard numel of its parameters, of its
+// trainable ones (a gradient row), and whether it is the root (the parameters of no unit).
+struct UnitShards {
+  double shard = 0;
+  double grad_row = 0;
+  bool root = false;
+};
+
+// The units of `model` sharded `world` ways: its blocks, then the root when it has parameters.
+std::vector<UnitShards> unit_shards(const Model& model, int world) {
+  std::vector<UnitShards> units;
   std::set<const c10::TensorImpl*> in_unit;
+  auto add = [&](const std::vector<at::Tensor>& params, bool root) {
+    UnitShards u;
+    u.root = root;
+    for (const auto& p : params) {
+      const auto spec = fsdp::shard_spec(p.sizes(), world);
+      u.shard += static_cast<double>(spec.padded_numel());
+      if (p.requires_grad()) u.grad_row += static_cast<double>(spec.padded_numel());
+    }
+    units.push_back(u);
+  };
   for (const auto& unit : model.units()) {
-    groups.emplace_back(unit.module->parameters());
-    for (const auto& p : groups.back()) in_unit.insert(p.unsafeGetTensorImpl());
+    const auto params = unit.module->parameters();
+    for (const auto& p : params) in_unit.insert(p.unsafeGetTensorImpl());
+    add(params, false);
   }
   std::vector<at::Tensor> root;
   for (const auto& p : model.parameters())
     if (!in_unit.count(p.unsafeGetTensorImpl())) root.push_back(p);
-  const size_t blocks = groups.size();
-  if (!root.empty()) groups.push_back(root);
-  const double elem = s.param_dtype.empty() ? 4.0 : c10::elementSize(fsdp::parse_dtype(s.param_dtype));
+  if (!root.empty()) add(root, true);
+  return units;
+}
+
+// Bytes per element of the gathered parameters and of the reduced gradients.
+double param_elem(const StrategyOptions& s) {
+  return s.param_dtype.empty() ? 4.0 : static_cast<double>(c10::elementSize(fsdp::parse_dtype(s.param_dtype)));
+}
+double reduce_elem(const StrategyOptions& s) {
   const std::string reduce = s.reduce_dtype.empty() ? s.param_dtype : s.reduce_dtype;
-  const double relem = reduce.empty() ? 4.0 : c10::elementSize(fsdp::parse_dtype(reduce));
-  Theory t;
-  for (size_t u = 0; u < groups.size(); ++u) {
-    double shard = 0, grad_row = 0;
-    for (const auto& p : groups[u]) {
-      const auto spec = fsdp::shard_spec(p.sizes(), world);
-      shard += static_cast<double>(spec.padded_numel());
-      if (p.requires_grad()) grad_row += static_cast<double>(spec.padded_numel());
-    }
-    const bool is_root = u >= blocks;
-    const int gathers = (1 + (!is_root && s.reshard_after_forward ? 1 : 0)) * train.micro_batches;
-    t.collectives += gathers + (grad_row > 0 ? 1 : 0);
+  return reduce.empty() ? 4.0 : static_cast<double>(c10::elementSize(fsdp::parse_dtype(reduce)));
+}
+
+// FSDP's traffic per step on a group of `world` ranks, from the layout: forward gathers every unit once, backward
+// gathers the units again when they were freed (raf) and reduce-scatters every unit with trainable parameters
+// `reduces` times; every micro-batch gathers. Bytes are what rank 0 hands to the backend: its padded shards for an
+// all-gather; for a reduce-scatter, N-1 of the N rows of padded gradients on CPU where the ring pays (Note [Ring
+// reduce-scatter]) or all N (NCCL's own, Gloo's all-reduce fallback).
+Traffic sharded_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train,
+                        int reduces) {
+  const double elem = param_elem(s), relem = reduce_elem(s);
+  Traffic t;
+  for (const UnitShards& u : unit_shards(model, world)) {
+    const int gathers = (1 + (!u.root && s.reshard_after_forward ? 1 : 0)) * train.micro_batches;
+    const int rs = u.grad_row > 0 ? reduces : 0;
+    t.collectives += gathers + rs;
     const bool ring = parse_device(train.device).is_cpu() &&
-                      ring_reduce_scatter_pays(world, static_cast<int64_t>(world * grad_row * relem));
+                      ring_reduce_scatter_pays(world, static_cast<int64_t>(world * u.grad_row * relem));
     const int rows_sent = ring ? world - 1 : world;
-    t.bytes += gathers * shard * elem + rows_sent * grad_row * relem;
+    t.bytes += gathers * u.shard * elem + rs * rows_sent * u.grad_row * relem;
   }
+  return t;
+}
+
+// Stage 04's FSDP: every micro-batch but the last under no_sync, so one reduce-scatter per unit per step.
+Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train) {
+  const Traffic t = sharded_traffic(model, world, s, train, 1);
+  return {t.collectives, t.bytes, {{"world", t}}};
+}
+
+// HSDP on an R x S mesh: FSDP's traffic on the shard group (S ranks; k reduce-scatters per step when the
+// all-reduce is deferred over k micro-batches, else one), and on the replicate group one all-reduce per unit with
+// trainable parameters per step, of its gradient row (Σ padded shard numel, padding included) in the reduce dtype.
+// One replica (R = 1) has no replicate traffic at all.
+Theory hsdp_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train) {
+  const auto [replicas, shards] = mesh_shape(s, world);
+  const Traffic shard = sharded_traffic(model, shards, s, train, s.defer_all_reduce ? train.micro_batches : 1);
+  Traffic replicate;
+  if (replicas > 1)
+    for (const UnitShards& u : unit_shards(model, shards))
+      if (u.grad_row > 0) {
+        replicate.collectives += 1;
+        replicate.bytes += u.grad_row * reduce_elem(s);
+      }
+  Theory t{shard.collectives + replicate.collectives, shard.bytes + replicate.bytes, {{"shard", shard}}};
+  if (replicas > 1) t.groups["replicate"] = replicate;
   return t;
 }
 
 // Stage 05: FSDP with the next units' all-gathers issued ahead (--prefetch-depth, --prefetch-limit). The same
 // collectives as fsdp, so the same traffic.
-std::unique_ptr<StepRunner> fsdp_prefetch_runner(const TrainConfig& c, const StrategyOptions& s, Communicator* comm) {
-  auto model = model_on_device(c);
-  auto wrapper = std::make_unique<fsdp::FullyShardedModel>(model, *comm, fsdp_options(s, c.model));
+void prefetch_as_told(fsdp::FullyShardedModel& wrapper, const StrategyOptions& s) {
   prefetch::PrefetchPolicy policy;
   policy.forward_depth = s.prefetch_depth;
   policy.backward_depth = s.prefetch_depth;
   policy.max_in_flight = s.prefetch_limit;
-  prefetch::enable_prefetch(*wrapper, policy);
+  prefetch::enable_prefetch(wrapper, policy);
+}
+
+std::unique_ptr<StepRunner> fsdp_prefetch_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
+  auto model = model_on_device(c);
+  auto wrapper = std::make_unique<fsdp::FullyShardedModel>(model, world->world(), fsdp_options(s, c.model));
+  prefetch_as_told(*wrapper, s);
   return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper));
+}
+
+// Stage 06: HSDP on the mesh of mesh_shape(), with stage 05's prefetch inside each replica. Micro-batches before
+// the last run under no_sync, or with the all-reduce deferred (--defer-all-reduce true).
+std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
+  const auto [replicas, shards] = mesh_shape(s, world->size());
+  auto mesh = std::make_shared<Mesh>(*world, replicas, shards);
+  auto model = model_on_device(c);
+  auto wrapper = hsdp::fully_shard_hybrid(model, *mesh, fsdp_options(s, c.model));
+  prefetch_as_told(*wrapper, s);
+  Accumulation accumulation;
+  if (s.defer_all_reduce) {
+    fsdp::FullyShardedModel* w = wrapper.get();
+    accumulation = [w](bool last) { hsdp::set_requires_all_reduce(*w, last); };
+  }
+  return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper), nullptr,
+                                                                  std::move(mesh), std::move(accumulation));
 }
 
 }  // namespace
@@ -403,16 +491,16 @@ const std::vector<Strategy>& strategies() {
   static const std::vector<Strategy> all{
       {"single", "one device, whole global batch (the reference)", false,
        [](const Model&, int, const StrategyOptions&, const TrainConfig&) { return Theory{}; },
-       [](const TrainConfig& c, const StrategyOptions&, Communicator*) -> std::unique_ptr<StepRunner> {
+       [](const TrainConfig& c, const StrategyOptions&, World*) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<SingleDevice>>(c, model, std::make_unique<SingleDevice>(model));
        }},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", true,
        [](const Model& m, int, const StrategyOptions&, const TrainConfig&) { return per_parameter_all_reduce(m); },
-       [](const TrainConfig& c, const StrategyOptions&, Communicator* comm) -> std::unique_ptr<StepRunner> {
+       [](const TrainConfig& c, const StrategyOptions&, World* world) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<naive_ddp::NaiveDDP>>(
-             c, model, std::make_unique<naive_ddp::NaiveDDP>(model, *comm));
+             c, model, std::make_unique<naive_ddp::NaiveDDP>(model, world->world()));
        }},
       bucketed("bucketed_ddp", "stage 02: flat buckets, async all-reduce overlapped with backward", "", 1.0),
       bucketed("hook_allreduce", "stage 03: buckets through the fp32 hook (pre/post divide)", "allreduce", 1.0),
@@ -420,13 +508,15 @@ const std::vector<Strategy>& strategies() {
       bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5),
       overlapped_optimizer(),
       {"fsdp", "stage 04: sharded units, all-gather before use, reduce-scatter of gradients", true, fsdp_traffic,
-       [](const TrainConfig& c, const StrategyOptions& s, Communicator* comm) -> std::unique_ptr<StepRunner> {
+       [](const TrainConfig& c, const StrategyOptions& s, World* world) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(
-             c, model, std::make_unique<fsdp::FullyShardedModel>(model, *comm, fsdp_options(s, c.model)));
+             c, model, std::make_unique<fsdp::FullyShardedModel>(model, world->world(), fsdp_options(s, c.model)));
        }},
       {"fsdp_prefetch", "stage 05: FSDP with the next units' all-gathers in flight while this unit computes", true,
        fsdp_traffic, fsdp_prefetch_runner},
+      {"hsdp", "stage 06: sharded within each replica of an RxS mesh, all-reduced across replicas (--mesh)", true,
+       hsdp_traffic, hsdp_runner},
   };
   return all;
 }
@@ -436,6 +526,21 @@ std::vector<std::string> strategy_names() {
   for (const auto& s : strategies()) names.push_back(s.name);
   return names;
 }
+
+std::string group_role(const std::string& group_name) { return group_name.substr(0, group_name.find('(')); }
+
+std::pair<int, int> mesh_shape(const StrategyOptions& s, int world) {
+  if (s.mesh.empty()) return world % 2 == 0 ? std::pair{2, world / 2} : std::pair{1, world};
+  const auto [replicas, shards] = Mesh::parse(s.mesh);
+  if (replicas * shards != world)
+    throw std::invalid_argument("--mesh " + s.mesh + " has " + std::to_string(replicas * shards) +
+                                " ranks; the world size is " + std::to_string(world));
+  return {replicas, shards};
+}
+
+bool shards_parameters(const std::string& strategy) { return strategy.rfind("fsdp", 0) == 0 || strategy == "hsdp"; }
+
+bool prefetches(const std::string& strategy) { return strategy == "fsdp_prefetch" || strategy == "hsdp"; }
 
 const Strategy& find_strategy(const std::string& name) {
   for (const auto& s : strategies())

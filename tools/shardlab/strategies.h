@@ -7,6 +7,7 @@
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/reference.h"
 #include "shardlab/common/trace.h"
+#include "shardlab/common/world.h"
 
 #include <functional>
 #include <map>
@@ -54,11 +55,23 @@ class StepRunner {
   Timeline* timeline_ = nullptr;  ///< see set_timeline
 };
 
-/// What a strategy should send per step, in theory.
-struct Theory {
+/// Collectives and payload bytes per rank per step.
+struct Traffic {
   double collectives = 0;  ///< collectives per step
   double bytes = 0;        ///< payload bytes per rank per step
 };
+
+/// What a strategy should send per step, in theory: in all, and per group role.
+struct Theory {
+  double collectives = 0;  ///< collectives per step, over every group
+  double bytes = 0;        ///< payload bytes per rank per step, over every group
+  /// The same per group role ("world"; HSDP: "shard", "replicate"), the part of a group's name before its ranks
+  /// (group_role). Empty: everything on "world".
+  std::map<std::string, Traffic> groups;
+};
+
+/// The role of a group named by World: "shard(0,1)" -> "shard", "world" -> "world".
+std::string group_role(const std::string& group_name);
 
 /// A named way to train.
 struct Strategy {
@@ -67,9 +80,21 @@ struct Strategy {
   bool distributed;         ///< false: runs on one rank without communication
   /// Expected traffic for `model` (built from the same config) on `world` ranks, training as `train` says.
   std::function<Theory(const Model& model, int world, const StrategyOptions&, const TrainConfig& train)> theory;
-  /// Builds the runner; `comm` is null when !distributed.
-  std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, Communicator*)> make;
+  /// Builds the runner on `world` (null when !distributed); a strategy makes the groups it needs from it (every
+  /// strategy but hsdp: world->world()).
+  std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, World*)> make;
 };
+
+/// hsdp's mesh on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the world size is even
+/// (a replica per machine of two), else one replica of all ranks (FSDP).
+/// @throws std::invalid_argument when --mesh does not have `world` ranks, naming both.
+std::pair<int, int> mesh_shape(const StrategyOptions& s, int world);
+
+/// Whether `strategy` shards its parameters (fsdp, fsdp_prefetch, hsdp): its memory figures are measured.
+bool shards_parameters(const std::string& strategy);
+
+/// Whether `strategy` takes --prefetch-depth and --prefetch-limit (fsdp_prefetch and hsdp).
+bool prefetches(const std::string& strategy);
 
 /// Every strategy built so far, in course order.
 const std::vector<Strategy>& strategies();

@@ -7,6 +7,7 @@
 #include "shardlab/common/device.h"
 #include "shardlab/common/process_group.h"
 #include "shardlab/common/progress.h"
+#include "shardlab/common/world.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +17,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -74,7 +76,7 @@ int run_worker(const RunOptions& options) {
   const c10::Device device = device_for_rank(parse_device(o.train.device), local_rank);
   set_current_device(device);
   o.train.device = device.str();
-  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<World> group_world;  // every group of this rank, and the recorder they all write to
   int rank = 0, world = 1;
   set_yield_to_communication(o.comm_yield);
   if (o.cpu_allocator == "pool") BufferPool::install_for_cpu_tensors();
@@ -82,18 +84,19 @@ int run_worker(const RunOptions& options) {
     GroupOptions group;
     group.timeout = std::chrono::milliseconds(120'000);
     group.kind = o.backend == "nccl" ? BackendKind::kNccl : BackendKind::kGloo;
-    comm = communicator_from_env(group);
-    rank = comm->rank();
-    world = comm->size();
+    group_world = World::from_environment(group);
+    rank = group_world->rank();
+    world = group_world->size();
   }
   if (o.threads > 0) {  // libtorch's threads and, when the BLAS is OpenBLAS, its threads (Note [BLAS threads per rank])
     at::set_num_threads(o.threads);
     set_blas_threads(o.threads);
   }
-  auto runner = strategy.make(o.train, o.strategy_options, comm.get());
+  auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
+  CommRecorder* recorder = group_world ? &group_world->recorder() : nullptr;
   Timeline timeline;
   runner->set_timeline(o.trace_dir.empty() ? nullptr : &timeline);
-  const size_t setup = comm ? comm->recorder().size() : 0;
+  const size_t setup = recorder ? recorder->size() : 0;
   auto data = make_dataset(o.train.model, o.train.seed);
 
   std::vector<double> losses, step_ms;
@@ -131,10 +134,11 @@ int run_worker(const RunOptions& options) {
   double collectives = 0, bytes = 0, sent = 0, setup_collectives = static_cast<double>(setup);
   CommTime comm_ns;
   std::vector<double> exposed_shares;  // per step with communication: exposed / in flight (the driver takes the median)
-  if (comm) {
+  std::map<std::string, std::pair<double, double>> per_group;  // role -> (collectives, bytes) over the steps
+  if (recorder) {
     std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
     const auto [skip_from, skip_to] = runner->setup_records();
-    const auto all = comm->recorder().snapshot();
+    const auto all = recorder->snapshot();
     for (size_t i = setup; i < all.size(); ++i) {
       if (i >= skip_from && i < skip_to) {
         setup_collectives += 1;
@@ -150,8 +154,11 @@ int run_worker(const RunOptions& options) {
       collectives += 1;
       bytes += static_cast<double>(r.bytes);
       sent += sent_bytes(r);
+      auto& [group_collectives, group_bytes] = per_group[group_role(r.group)];
+      group_collectives += 1;
+      group_bytes += static_cast<double>(r.bytes);
     }
-    const auto waits = comm->recorder().waits();
+    const auto waits = recorder->waits();
     comm_ns = comm_time(records, waits, first_step_ns, last_step_ns);
     // The typical step, beside the run's total: one slow step (a stalled core) moves a total, not a median.
     for (size_t s = 0; s + 1 < step_starts_ns.size(); ++s) {
@@ -163,6 +170,8 @@ int run_worker(const RunOptions& options) {
       << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms "
       << comm_ns.exposed_ns / 1e6 << "\nexposed_share";
   for (double s : exposed_shares) out << ' ' << s;
+  for (const auto& [role, figures] : per_group)
+    out << "\ngroup_" << role << " " << figures.first << " " << figures.second;
   out << "\nprogress_yields " << yields << "\nbuckets " << runner->buckets() << "\n";
   for (const auto& [key, values] : runner->extra()) {
     out << key;
@@ -176,8 +185,8 @@ int run_worker(const RunOptions& options) {
       << "\n";
   if (!o.trace_dir.empty()) {
     write_chrome_trace(o.trace_dir + "/rank" + std::to_string(rank) + ".trace.json", rank, timeline.spans(),
-                       comm ? comm->recorder().snapshot() : std::vector<CollectiveRecord>{},
-                       comm ? comm->recorder().waits() : std::vector<WaitRecord>{}, runner->counters());
+                       recorder ? recorder->snapshot() : std::vector<CollectiveRecord>{},
+                       recorder ? recorder->waits() : std::vector<WaitRecord>{}, runner->counters());
   }
   std::ofstream params(prefix + ".params", std::ios::binary);
   for (const auto& p : runner->full_parameters()) {

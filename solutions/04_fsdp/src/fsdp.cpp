@@ -451,19 +451,26 @@ int64_t FullyShardedModel::parameter_peak(int64_t ahead) const {
 // Note [The gradient peak, walked]
 // A synchronized backward meets the units in the reverse of the forward order, the root last (its gradients are
 // complete only when the embedding's, the last, has come). At each unit u:
-//  - while u's backward runs, its unsharded gradients come in beside the previous unit's reduce-scatter, still in
+//  - while u's backward runs, its unsharded gradients come in beside the previous unit's reduction, still in
 //    flight (one at a time: Note [One reduce-scatter in flight]);
-//  - when u is ready, the previous reduce-scatter is waited for (its buffers freed) and u's buffers made while its
-//    unsharded gradients still exist; they are freed as they are copied in.
+//  - when u is ready, the previous reduction is advanced (a one-phase one waited for, its buffers freed; a two-phase
+//    one keeps its second phase's bytes to the end of backward: Note [A reduction's bytes, phase by phase]) and u's
+//    buffers made while its unsharded gradients still exist; they are freed as they are copied in.
 // Beside every moment: the sharded gradients (all of them: after the first step they stay), and the root's
 // unsharded gradients, counted whole from the start. That last term makes the theory an upper bound: the root's
 // gradients do not all come at the start (the head's does, the embedding's comes last), and nothing tells when
 // each will.
-// With accumulation (micro-batches under no_sync before the last), every unit's gradients from the earlier
-// micro-batches are there when the last backward starts: in `.grad()` (reduce dtype = param dtype: autograd adds the
-// last micro-batch's in place) or in reduce-dtype accumulators, beside which the last micro-batch's come in the param
-// dtype. Each unit's are freed as its reduce-scatter is laid out, so the peak is at the first units of backward.
-int64_t FullyShardedModel::gradient_peak(bool accumulating) const {
+// With accumulation under no_sync (Accumulation::kNoSync), every unit's gradients from the earlier micro-batches are
+// there when the last backward starts: in `.grad()` (reduce dtype = param dtype: autograd adds the last
+// micro-batch's in place) or in reduce-dtype accumulators, beside which the last micro-batch's come in the param
+// dtype. Each unit's are freed as its reduction's input is laid out, so the peak is at the first units of backward.
+// When every micro-batch reduces (kReduce), nothing unsharded is kept, but a reducer may keep a partial row per
+// unit between them (GradientReducer::deferred_bytes: HSDP's deferred all-reduce); it goes into the last
+// micro-batch's reduction and is freed with its first phase. The last micro-batch is the largest: the earlier ones
+// hold the same partials and no second phases.
+int64_t FullyShardedModel::gradient_peak(int micro_batches, Accumulation accumulation) const {
+  const bool no_sync = micro_batches > 1 && accumulation == Accumulation::kNoSync;
+  const bool partials = micro_batches > 1 && accumulation == Accumulation::kReduce;
   std::vector<size_t> order = last_forward_order_;
   if (order.empty()) {
     if (has_root_) order.push_back(units_.size() - 1);
@@ -475,12 +482,13 @@ int64_t FullyShardedModel::gradient_peak(bool accumulating) const {
       if (fp.trainable) held += fp.sharded.numel() * static_cast<int64_t>(c10::elementSize(unit->dtypes().orig));
   // What accumulation keeps of unit u from the earlier micro-batches, and what the last one adds beside it.
   auto kept = [&](const FsdpUnit& u) {
-    if (!accumulating) return int64_t{0};
+    if (partials) return u.deferred_bytes();
+    if (!no_sync) return int64_t{0};
     const int64_t numel = u.unsharded_grad_bytes() / static_cast<int64_t>(c10::elementSize(u.dtypes().param));
     return numel * static_cast<int64_t>(c10::elementSize(u.dtypes().reduce));
   };
   auto incoming = [&](const FsdpUnit& u) {
-    const bool in_place = accumulating && u.dtypes().reduce == u.dtypes().param;
+    const bool in_place = no_sync && u.dtypes().reduce == u.dtypes().param;
     return in_place ? int64_t{0} : u.unsharded_grad_bytes();
   };
   for (const auto& unit : units_) held += kept(*unit);
@@ -490,20 +498,23 @@ int64_t FullyShardedModel::gradient_peak(bool accumulating) const {
   std::vector<size_t> walk(order.rbegin(), order.rend());
   for (size_t u = 0; u < units_.size(); ++u)
     if (std::find(order.begin(), order.end(), u) == order.end()) walk.push_back(u);
-  int64_t peak = held, in_flight = 0;
+  int64_t peak = held, in_flight = 0, in_flight_second = 0, second_phases = 0;
   for (size_t u : walk) {
     const FsdpUnit& unit = *units_[u];
     if (unit.trainable_count() == 0) continue;
     const bool is_root = has_root_ && u + 1 == units_.size();
     const int64_t grads = is_root ? 0 : incoming(unit);  // the root's are in `held`
-    peak = std::max({peak, held + in_flight + grads, held + grads + unit.reduce_bytes()});
-    held -= kept(unit);  // laid out into the reduce-scatter input, then freed
-    in_flight = unit.reduce_bytes();
+    peak = std::max(peak, held + second_phases + in_flight + grads);
+    second_phases += in_flight_second;  // the previous reduction advanced
+    peak = std::max(peak, held + second_phases + grads + unit.reduce_bytes());
+    held -= kept(unit);  // laid out into the reduction's input (no_sync), or taken in by it (a partial)
+    in_flight = unit.reduce_bytes() + (partials ? kept(unit) : 0);
+    in_flight_second = unit.second_phase_bytes();
   }
-  return std::max(peak, held + in_flight);
+  return std::max(peak, held + second_phases + in_flight);
 }
 
-MemoryTheory FullyShardedModel::memory_theory(int micro_batches) const {
+MemoryTheory FullyShardedModel::memory_theory(int micro_batches, Accumulation accumulation) const {
   if (micro_batches < 1)
     throw std::invalid_argument("memory_theory: expected micro_batches >= 1; got " + std::to_string(micro_batches));
   MemoryTheory t;
@@ -527,7 +538,7 @@ MemoryTheory FullyShardedModel::memory_theory(int micro_batches) const {
   }
   t.ahead = schedule_ ? schedule_->max_ahead() : 0;
   t.peak_param_bytes = parameter_peak(t.ahead);
-  t.peak_grad_bytes = gradient_peak(micro_batches > 1);
+  t.peak_grad_bytes = gradient_peak(micro_batches, accumulation);
   return t;
 }
 

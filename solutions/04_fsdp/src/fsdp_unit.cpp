@@ -163,6 +163,7 @@ void FsdpUnit::validate(const std::string& name, const std::vector<std::pair<std
 void FsdpUnit::discard_unsharded_gradients() {
   ++generation_;
   reducer_->discard();  // what it keeps between calls (HSDP's partial: this step's micro-batches so far) goes too
+  count_reducer_bytes();
   for (size_t k = 0; k < params_.size(); ++k) {
     params_[k].param.mutable_grad().reset();
     if (accumulated_[k].defined()) meter_.release(MemoryKind::kGrads, bytes_of(accumulated_[k]));
@@ -221,6 +222,15 @@ int64_t FsdpUnit::reduce_bytes() const {
   const int64_t input = comm_.size() * grad_row_numel_;
   return (input + grad_row_numel_) * static_cast<int64_t>(c10::elementSize(dtypes_.reduce)) +
          reducer_->scratch_bytes(dtypes_.reduce, input, sharded_flat_.device());
+}
+
+int64_t FsdpUnit::second_phase_bytes() const {
+  if (grad_row_numel_ == 0) return 0;
+  return reducer_->second_phase_bytes(dtypes_.reduce, comm_.size() * grad_row_numel_, sharded_flat_.device());
+}
+
+int64_t FsdpUnit::deferred_bytes() const {
+  return grad_row_numel_ == 0 ? 0 : reducer_->deferred_bytes(dtypes_.reduce, grad_row_numel_);
 }
 
 at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
@@ -316,6 +326,13 @@ void FsdpUnit::count_sharded_gradients() {
   }
 }
 
+void FsdpUnit::count_reducer_bytes() {
+  const int64_t now = reducer_->held_bytes();
+  if (now > reducer_bytes_) meter_.allocate(MemoryKind::kGrads, now - reducer_bytes_);
+  if (now < reducer_bytes_) meter_.release(MemoryKind::kGrads, reducer_bytes_ - now);
+  reducer_bytes_ = now;
+}
+
 void FsdpUnit::note_gradient(size_t k) {
   const at::Tensor& g = params_.at(k).param.grad();
   if (counted_grad_[k] != 0 || !g.defined()) return;
@@ -381,12 +398,19 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   // END SOLUTION
   Handle reduced = (*reducer_)(input.view({-1}), output);
   emit(UnitEventKind::kReduceLaunched);
-  // The reducer keeps `input` alive while its collectives need it (GradientReducer's contract): a two-phase reducer
-  // frees it once its first phase has landed, not at this wait.
-  return std::move(reduced).then([this, output, transient, generation = generation_] {
+  // See Note [A reduction's bytes, phase by phase].
+  const int64_t second = second_phase_bytes();
+  int64_t first = transient - second;
+  const int64_t kept = reducer_->held_bytes();
+  if (kept < reducer_bytes_) first += reducer_bytes_ - kept;  // the partial it took goes with the first phase
+  if (kept > reducer_bytes_) meter_.allocate(MemoryKind::kGrads, kept - reducer_bytes_);
+  reducer_bytes_ = kept;
+  reduced = std::move(reduced).on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
+  return std::move(reduced).then([this, output, second, generation = generation_] {
     at::NoGradGuard no_grad;
+    count_reducer_bytes();            // a deferred micro-batch's row joined the partial
     if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
-      meter_.release(MemoryKind::kGrads, transient);
+      meter_.release(MemoryKind::kGrads, second);
       emit(UnitEventKind::kReduceLanded);
       return;
     }
@@ -404,10 +428,20 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
     }
     // END SOLUTION
     count_sharded_gradients();
-    meter_.release(MemoryKind::kGrads, transient);
+    meter_.release(MemoryKind::kGrads, second);
     emit(UnitEventKind::kReduceLanded);
   });
 }
+
+// Note [A reduction's bytes, phase by phase]
+// A reduction holds its input (S rows), its output (one row) and the reducer's scratch (reduce_bytes()) from its
+// launch. A one-phase reducer frees them all when it is waited for. A two-phase one (HSDP) frees its input and the
+// first phase's scratch when FSDP advances it (before the next unit's reduction), and keeps only the output and its
+// second phase's buffers (GradientReducer::second_phase_bytes) until the end of backward. The meter follows: the
+// first part is released by the handle's on_advance step (for a one-phase reducer, whose second part is 0: at its
+// wait), the rest at the wait. A reducer's own partial (held_bytes(): HSDP's deferred micro-batches) is counted while
+// it holds it; a call that takes it in moves it to that call's first part (it is summed into the row before the second
+// phase).
 
 std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
   at::NoGradGuard no_grad;

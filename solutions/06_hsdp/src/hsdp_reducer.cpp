@@ -70,6 +70,19 @@ int64_t HsdpReducer::scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c
   return copies + shard_.reduce_scatter_scratch_bytes(wire, input_numel, device);
 }
 
+int64_t HsdpReducer::second_phase_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device /*device*/) const {
+  if (replicate_.size() == 1) return 0;
+  const c10::ScalarType wire = wire_dtype(wire_, dtype);
+  const int64_t row = input_numel / shard_.size();
+  return row * static_cast<int64_t>(c10::elementSize(dtype)) +
+         (wire == dtype ? 0 : row * static_cast<int64_t>(c10::elementSize(wire))) +
+         replicate_.all_reduce_scratch_bytes(wire, row);
+}
+
+int64_t HsdpReducer::deferred_bytes(c10::ScalarType dtype, int64_t output_numel) const {
+  return output_numel * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 Handle HsdpReducer::operator()(const at::Tensor& input, const at::Tensor& output) {
   const int S = shard_.size();
   if (!input.defined() || !output.defined() || !input.is_contiguous() || !output.is_contiguous() ||

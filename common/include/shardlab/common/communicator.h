@@ -122,6 +122,11 @@ class Handle {
   /// for any other handle it is wait(). The rest is waited for by wait(). See Note [Advancing a chained reduction].
   /// @throws std::runtime_error as wait() does, and whatever `issue` threw; a failure sticks.
   void advance();
+  /// Runs `step` once, on the thread that brings this handle there: at advance() once it has returned (for a
+  /// handle made by then_issue: its first collective landed and the second issued), else at wait(), after this
+  /// handle's own finish steps. For a plain handle that is then(step). Consumes this handle. Memory meters release
+  /// a two-phase reduction's first-phase buffers with it.
+  Handle on_advance(std::function<void()> step) &&;
 
  private:
   c10::intrusive_ptr<compat::Work> work_;
@@ -183,6 +188,9 @@ class Communicator {
   /// tensors on Gloo; the ring and NCCL write straight into the output).
   /// Memory meters add it (see Note [What the Communicator allocates]).
   int64_t all_gather_scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const;
+  /// Bytes all_reduce holds privately while one of `numel` elements of `dtype` is in flight: the f32 copy where the
+  /// backend cannot carry the dtype (bf16 on Gloo 1.13); else 0. See Note [What the Communicator allocates].
+  int64_t all_reduce_scratch_bytes(c10::ScalarType dtype, int64_t numel) const;
   /// Bytes reduce_scatter holds privately while one of `input_numel` elements of `dtype` on `device` is in flight:
   /// the copy of the whole input the ring or the all-reduce fallback works on (f32 where the backend cannot carry
   /// the dtype) and the ring's receive row; 0 on NCCL. See Note [What the Communicator allocates].

@@ -41,6 +41,24 @@ class GradientReducer {
   /// Bytes the reducer (and the Communicators under it) holds privately, beyond `input` and `output`, while a call
   /// on `input_numel` elements of `dtype` on `device` is in flight: what memory meters add to a reduction.
   virtual int64_t scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const = 0;
+  /// Of a call on `input_numel` elements of `dtype`: the bytes still held once the returned handle has been
+  /// advanced (Handle::advance: a two-phase reducer's first phase landed, its second in flight) until it is waited
+  /// for, `output` included; memory meters release the rest of the call's bytes at the advance. The default, a
+  /// one-phase reducer (its advance is its wait, which frees everything): 0.
+  virtual int64_t second_phase_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const {
+    (void)dtype, (void)input_numel, (void)device;
+    return 0;
+  }
+  /// Bytes it holds between calls now (HSDP's partial while its all-reduce is deferred), which memory meters count
+  /// with the gradients. The default keeps nothing: 0.
+  virtual int64_t held_bytes() const { return 0; }
+  /// Bytes it holds between calls while gradients accumulate over micro-batches that all call it (HSDP's deferred
+  /// all-reduce: one partial row of `output_numel` elements of `dtype`): what a memory theory of such an
+  /// accumulation counts. The default keeps nothing: 0.
+  virtual int64_t deferred_bytes(c10::ScalarType dtype, int64_t output_numel) const {
+    (void)dtype, (void)output_numel;
+    return 0;
+  }
   /// A short name for reports and errors ("reduce_scatter", "fp16", "hsdp").
   virtual std::string name() const = 0;
   /// Drops whatever the reducer keeps between calls, and makes the calls still in flight keep nothing: called after a

@@ -107,6 +107,12 @@ struct Options {
                                             ///< buffers] in common); false: the device's allocator
 };
 
+/// How a step of several micro-batches accumulates its gradients (FullyShardedModel::memory_theory).
+enum class Accumulation {
+  kNoSync,  ///< every micro-batch but the last under no_sync: the unsharded gradients are kept until the last
+  kReduce,  ///< every micro-batch reduces; a reducer may keep a partial between them (HSDP's deferred all-reduce)
+};
+
 /// The memory a step should need per rank, from the layout (what MemoryStats is compared with).
 struct MemoryTheory {
   int64_t sharded_param_bytes = 0;       ///< Σψ/N: every unit's padded shards
@@ -191,8 +197,8 @@ class FullyShardedModel {
   /// Starts a new peak window (e.g. at the start of each step).
   void reset_memory_peaks() { meter_.reset_peaks(); }
   /// What the peaks of a step should be for this layout and these options, the step made of `micro_batches`
-  /// micro-batches (all but the last under no_sync). @throws std::invalid_argument for micro_batches < 1.
-  MemoryTheory memory_theory(int micro_batches = 1) const;
+  /// micro-batches accumulated as `accumulation` says. @throws std::invalid_argument for micro_batches < 1.
+  MemoryTheory memory_theory(int micro_batches = 1, Accumulation accumulation = Accumulation::kNoSync) const;
   /// Issues unit `u`'s all-gather now when the unit is sharded (no-op otherwise): its own pre-forward or
   /// pre-backward then only waits for it. For an UnshardSchedule. A collective: every rank issues the same.
   void begin_unshard(size_t u);
@@ -237,7 +243,7 @@ class FullyShardedModel {
   void pre_backward(size_t u);
   void consult_schedule(SchedulePoint point, size_t u);
   int64_t parameter_peak(int64_t ahead) const;
-  int64_t gradient_peak(bool accumulating) const;
+  int64_t gradient_peak(int micro_batches, Accumulation accumulation) const;
   void wait_for_reduce(Handle& reduce);
   void on_gradient_ready(size_t g);
   void on_unit_ready(size_t u);

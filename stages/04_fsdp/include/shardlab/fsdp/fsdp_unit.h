@@ -157,6 +157,12 @@ class FsdpUnit {
   /// output (one row) in the reduce dtype, and the reducer's private copies
   /// (GradientReducer::scratch_bytes). 0 for a unit without trainable parameters.
   int64_t reduce_bytes() const;
+  /// Of reduce_bytes(), what a reduction still holds after it has been advanced, until it is waited for: its
+  /// output row and the reducer's second phase (GradientReducer::second_phase_bytes; 0 for a one-phase reducer).
+  /// See Note [A reduction's bytes, phase by phase]. 0 for a unit without trainable parameters.
+  int64_t second_phase_bytes() const;
+  /// What the reducer keeps between micro-batches that all reduce (GradientReducer::deferred_bytes of one row).
+  int64_t deferred_bytes() const;
 
   /// Counts params()[k]'s unsharded gradient in the meter (once, until it is reduced or stashed). Called by the
   /// wrapper when the gradient has been accumulated.
@@ -193,6 +199,8 @@ class FsdpUnit {
   at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
   void release_gradient(size_t k);
   void count_sharded_gradients();
+  // Brings the meter's count of the reducer's held_bytes() up to date.
+  void count_reducer_bytes();
   void emit(UnitEventKind kind) const {
     if (sink_) sink_(kind);
   }
@@ -214,6 +222,7 @@ class FsdpUnit {
   Handle all_gather_;                    // pending while unsharding
   std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
   std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
+  int64_t reducer_bytes_ = 0;            // the reducer's held_bytes() counted in the meter
   std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
   std::vector<int64_t> sharded_grad_bytes_;                    // ... and its bytes
   std::function<void(UnitEventKind)> sink_;                    // set_event_sink

@@ -59,6 +59,14 @@ class HsdpReducer final : public fsdp::GradientReducer {
   /// A compressed wire's copies (the cast input and the reduced row), and what the Communicator holds for the
   /// reduce-scatter.
   int64_t scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const override;
+  /// With more than one replica: the output row, a compressed wire's row, and what the Communicator holds for the
+  /// all-reduce (Gloo 1.13's f32 copy of a bf16 row), all held from the advance to the wait. One replica: 0 (one
+  /// phase).
+  int64_t second_phase_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const override;
+  /// partial_bytes().
+  int64_t held_bytes() const override { return partial_bytes(); }
+  /// One row of `output_numel` elements of `dtype`: the partial of a deferred all-reduce.
+  int64_t deferred_bytes(c10::ScalarType dtype, int64_t output_numel) const override;
   /// "hsdp", "hsdp_fp16", "hsdp_bf16".
   std::string name() const override;
   /// N: the ranks the mean is over.
@@ -84,7 +92,7 @@ class HsdpReducer final : public fsdp::GradientReducer {
   Communicator& replicate_;
   Wire wire_;
   bool requires_all_reduce_ = true;
-  at::Tensor partial_;       // the rows of deferred micro-batches, summed (wire dtype); undefined when none is pending
+  at::Tensor partial_;       // the rows of deferred micro-batches, summed (output dtype); undefined when none pending
   uint64_t generation_ = 0;  // bumped by discard(): deferred calls of an older generation keep nothing
 };
 
