@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Two `shardlab-run` launchers on this machine as two nodes of 2 processes each (torchrun's --nnodes/--node-rank)
+train HSDP on a 2x2 mesh through `shardlab worker`, as HSDP is deployed: each node's two ranks are a replica (its
+shard group, a row of the mesh), and the two nodes replicate each other (the replicate groups, the columns, go
+across the nodes). Checks, from the files the ranks write:
+  - every rank's parameters equal one device's on the union batch (the `single` strategy's worker) within 1e-5, and
+    the four ranks' are bit-identical (the replicas of a shard stay equal);
+  - the global loss (the mean of the ranks' slice losses) equals one device's within 1e-4;
+  - every rank communicated on both of its groups, and the same number of collectives on each as every other rank.
+
+Usage: test_nodes_hsdp.py SHARDLAB_RUN SHARDLAB. No check reads a clock: a hang is caught by the launchers'
+--timeout and the test's ctest TIMEOUT."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from array import array
+
+launcher, shardlab = sys.argv[1], sys.argv[2]
+train = ["--model", "tiny_gpt", "--layers", "2", "--steps", "3", "--global-batch", "16"]
+failures = []
+
+
+def read_text(path):
+    out = {}
+    for line in open(path):
+        key, *values = line.split()
+        out[key] = [float(v) for v in values]
+    return out
+
+
+def read_params(path):
+    a = array("d")
+    with open(path, "rb") as f:
+        a.frombytes(f.read())
+    return a
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    hsdp_dir, ref_dir = os.path.join(tmp, "hsdp"), os.path.join(tmp, "single")
+    os.makedirs(hsdp_dir)
+    os.makedirs(ref_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = []
+    for node in (0, 1):
+        cmd = [launcher, "-n", "2", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "--timeout", "120", "--", shardlab, "worker", "--strategy", "hsdp",
+               "--mesh", "2x2", "--world-size", "4", *train, "--result-dir", hsdp_dir]
+        print("run ", " ".join(cmd[1:]), flush=True)
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for node, p in enumerate(nodes):
+        out, _ = p.communicate()
+        print(f"--- node {node}: exit {p.returncode}\n{out}")
+        if p.returncode != 0:
+            failures.append(f"node {node} exited with {p.returncode}")
+    ref_cmd = [shardlab, "worker", "--strategy", "single", "--world-size", "1", *train, "--result-dir", ref_dir]
+    print("run ", " ".join(ref_cmd[1:]), flush=True)
+    if subprocess.run(ref_cmd, stdout=subprocess.DEVNULL, timeout=120).returncode != 0:
+        failures.append("the single-device worker failed")
+    if not failures:
+        ref = read_params(os.path.join(ref_dir, "rank0.params"))
+        ref_losses = read_text(os.path.join(ref_dir, "rank0.txt"))["losses"]
+        texts = [read_text(os.path.join(hsdp_dir, f"rank{r}.txt")) for r in range(4)]
+        params = [read_params(os.path.join(hsdp_dir, f"rank{r}.params")) for r in range(4)]
+        for r in range(4):
+            if len(params[r]) != len(ref):
+                failures.append(f"rank {r} wrote {len(params[r])} parameters; one device has {len(ref)}")
+                continue
+            diff = max(abs(a - b) for a, b in zip(params[r], ref))
+            print(f"rank {r}: max |param - one device| = {diff:.3g}; collectives per group "
+                  f"shard {texts[r].get('group_shard')}, replicate {texts[r].get('group_replicate')}")
+            if not diff <= 1e-5:
+                failures.append(f"rank {r} is {diff} away from one device")
+            if params[r] != params[0]:
+                failures.append(f"rank {r}'s parameters are not bit-identical to rank 0's")
+            for role in ("group_shard", "group_replicate"):
+                got = texts[r].get(role, [0])[0]
+                if got <= 0 or got != texts[0].get(role, [0])[0]:
+                    failures.append(f"rank {r}: {got} collectives on its {role[6:]} group; rank 0 had "
+                                    f"{texts[0].get(role, [0])[0]} (expected the same, more than 0)")
+        losses = [sum(t["losses"][s] for t in texts) / 4 for s in range(len(ref_losses))]
+        worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        print(f"global loss per step {losses}; one device {ref_losses}; worst difference {worst:.3g}")
+        if not worst <= 1e-4:
+            failures.append(f"the global loss differs from one device's by {worst}")
+for f in failures:
+    print("FAIL", f)
+print("test_nodes_hsdp:", "FAIL" if failures else "ok")
+sys.exit(1 if failures else 0)
