@@ -1,23 +1,28 @@
-// Uses the installed shardlab the way an engineer would, on two wrappers:
-//  - bucketed DDP with the fp16 hook: two ranks (threads, real Gloo) must agree;
-//  - FSDP on a model shardlab does not ship (a stem, three residual blocks, a head): three ranks must train it
-//    like one device. Sharding it takes one line per block: register_unit instead of register_module; stage 05's
-//    prefetch is one more line.
-#include <shardlab/bucketed_ddp/bucketed_ddp.h>
-#include <shardlab/comm_hooks/comm_hook.h>
-#include <shardlab/common/data.h>
-#include <shardlab/common/reference.h>
-#include <shardlab/common/thread_ranks.h>
-#include <shardlab/fsdp/fsdp.h>
-#include <shardlab/prefetch/prefetch.h>
+// Uses the installed shardlab the way an engineer would: a model of its own (a stem, three residual blocks, a
+// head; shardlab ships no such model), its own data and its own optimizer, trained through the library's entry
+// point on 4 processes started by shardlab-run (`shardlab-run -n 4 -- shardlab_consumer`). It links only the
+// library (shardlab::hsdp and what it needs, down to shardlab::core), not the course's models, data or reference
+// trainer: CMakeLists.txt checks that.
+//
+// The same 4 processes train on three meshes of the one world: 2x2 (HSDP), 1x4 (FSDP), 4x1 (DDP), and each rank
+// checks its result against the same model trained on one device on the union of the 4 ranks' batches. Rank 0 prints
+// "consumer: ok" only when every rank's check held on every mesh.
+#include <shardlab/common/model.h>
+#include <shardlab/common/world.h>
+#include <shardlab/hsdp/parallelize.h>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/optim/adamw.h>
 
 #include <iostream>
 
 namespace {
+
+constexpr int kRanks = 4, kSteps = 4, kGlobalBatch = 16, kFeatures = 16, kClasses = 4;
+constexpr uint64_t kSeed = 7;
 
 // One residual block: x + tanh(fc(norm(x))).
 struct Block : torch::nn::Module {
@@ -30,13 +35,14 @@ struct Block : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 
-// The user's own model: any torch::nn::Module with a mean loss. The blocks are FSDP units; stem and head the root.
+// The user's own model: any torch::nn::Module with a mean loss. The blocks are units (sharded and gathered
+// together); stem and head are the root.
 struct ResidualNet : shardlab::Model {
   explicit ResidualNet(uint64_t seed) {
-    stem = register_module("stem", torch::nn::Linear(16, 24));
+    stem = register_module("stem", torch::nn::Linear(kFeatures, 24));
     for (int i = 0; i < 3; ++i)
       blocks.push_back(register_unit("block" + std::to_string(i), std::make_shared<Block>(24)));  // one line a unit
-    head = register_module("head", torch::nn::Linear(24, 4));
+    head = register_module("head", torch::nn::Linear(24, kClasses));
     shardlab::init_parameters(*this, seed);
   }
   at::Tensor loss(const shardlab::Batch& b) override {
@@ -48,57 +54,77 @@ struct ResidualNet : shardlab::Model {
   std::vector<shardlab::UnitRef<Block>> blocks;
 };
 
+// The user's data: step s's global batch, the same on every rank (each takes its own slice).
+shardlab::Batch global_batch(int step) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  return {at::randn({kGlobalBatch, kFeatures}, gen, at::TensorOptions().dtype(at::kFloat)),
+          at::randint(kClasses, {kGlobalBatch}, gen, at::TensorOptions().dtype(at::kLong)), step};
+}
+
+torch::optim::AdamW adamw(std::vector<at::Tensor> params) {
+  return torch::optim::AdamW(std::move(params), torch::optim::AdamWOptions(1e-2));
+}
+
+// The largest |a - b| over two lists of tensors of the same shapes.
+double max_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return a.size() == b.size() ? worst : 1e30;
+}
+
 }  // namespace
 
 int main() {
-  using namespace shardlab;
-  std::vector<std::vector<at::Tensor>> finals(2);
-  run_ranks(2, [&](Communicator& comm) {
-    auto model = make_model("mlp", 42 + comm.rank());  // different starts: DDP broadcasts rank 0's
-    bucketed_ddp::Options options;
-    options.caps = {1024, 8192};  // a few buckets
-    options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook("fp16", comm));
-    bucketed_ddp::BucketedDDP ddp(model, comm, options);
-    auto data = make_dataset("mlp", 42);
-    auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
-    for (int step = 0; step < 3; ++step) {
-      opt->zero_grad();
-      ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), comm.size())).backward();
-      opt->step();
-    }
-    finals[comm.rank()] = model->parameters();
-  });
-  const double diff = max_abs_diff(finals[0], finals[1]);
-  std::cout << "consumer: 2 ranks trained, max parameter difference between ranks " << diff << "\n";
-
-  // FSDP: 3 ranks on the user's model against the same model trained on one device on the whole batch.
-  auto data = make_dataset("mlp", 7);
-  auto reference = std::make_shared<ResidualNet>(7);
-  auto ref_opt = make_optimizer("adamw", trainable_parameters(*reference), 1e-2);
-  for (int step = 0; step < 3; ++step) {
-    ref_opt->zero_grad();
-    reference->loss(data->global_batch(step, 12)).backward();
-    ref_opt->step();
+  auto world = shardlab::World::from_environment();  // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+  if (world->size() != kRanks) {
+    std::cerr << "consumer: expected " << kRanks << " ranks (shardlab-run -n " << kRanks << "); got " << world->size()
+              << "\n";
+    return 1;
   }
-  std::vector<at::Tensor> sharded_final;
-  run_ranks(3, [&](Communicator& comm) {
-    auto model = std::make_shared<ResidualNet>(7);
-    fsdp::FullyShardedModel sharded(model, comm);  // 3 units + root; each rank keeps a third of every parameter
-    prefetch::enable_prefetch(sharded);            // the next block's all-gather in flight while this one runs
-    auto opt = make_optimizer("adamw", sharded.parameters(), 1e-2);  // the optimizer steps the shards
-    for (int step = 0; step < 3; ++step) {
-      opt->zero_grad();
-      sharded.loss(rank_slice(data->global_batch(step, 12), comm.rank(), comm.size())).backward();
-      opt->step();
+  const int rank = world->rank();
+
+  // One device on the union batch: what every rank must match.
+  auto reference = std::make_shared<ResidualNet>(kSeed);
+  auto ref_opt = adamw(reference->parameters());
+  for (int step = 0; step < kSteps; ++step) {
+    ref_opt.zero_grad();
+    reference->loss(global_batch(step)).backward();
+    ref_opt.step();
+  }
+
+  bool ok = true;
+  struct Case {
+    int replicate, shard;
+    shardlab::hsdp::Wire wire;
+    double tolerance;
+  };
+  for (const Case& c :
+       {Case{2, 2, shardlab::hsdp::Wire::kReduceDtype, 1e-5}, Case{1, 4, shardlab::hsdp::Wire::kReduceDtype, 1e-5},
+        Case{4, 1, shardlab::hsdp::Wire::kReduceDtype, 1e-5}}) {
+    shardlab::Mesh mesh(*world, c.replicate, c.shard);
+    // Each rank starts from its own values; parallelize broadcasts rank 0's (the reference's start).
+    auto model = std::make_shared<ResidualNet>(kSeed + rank);
+    shardlab::ParallelPolicy policy;
+    policy.reduction.wire = c.wire;
+    auto dp = shardlab::parallelize(model, mesh, policy);
+    auto opt = adamw(dp->parameters());  // DDP: the replica's parameters; FSDP and HSDP: this rank's shards
+    const int64_t slice = kGlobalBatch / kRanks;
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      dp->loss(global_batch(step).slice(rank * slice, slice)).backward();
+      opt.step();
     }
-    auto full = sharded.full_parameters();  // a collective: every rank calls it
-    if (comm.rank() == 0) sharded_final = full;
-  });
-  const double fsdp_diff = max_abs_diff(sharded_final, reference->parameters());
-  std::cout << "consumer: FSDP on a user's model, 3 ranks vs one device, max parameter difference " << fsdp_diff
-            << "\n";
-  // ctest matches "consumer: ok" (a pass regex ignores the exit code): print it only when both hold.
-  const bool ok = diff == 0.0 && fsdp_diff <= 1e-5;
-  std::cout << (ok ? "consumer: ok" : "consumer: FAILED") << "\n";
-  return ok ? 0 : 1;
+    const double diff = max_diff(dp->full_parameters(), reference->parameters());  // a collective
+    const bool held = diff <= c.tolerance;
+    std::cout << "consumer: " << dp->kind_name() << " on a " << mesh.to_string() << " mesh, rank " << rank
+              << " vs one device: max parameter difference " << diff << " (allowed " << c.tolerance << ")"
+              << (held ? "" : " FAILED") << std::endl;
+    ok = ok && held;
+  }
+  // Every rank's verdict, so that rank 0 speaks for all of them.
+  at::Tensor failed = at::full({1}, ok ? 0.0F : 1.0F);
+  world->world().all_reduce(failed).wait();
+  const bool all_ok = failed.item<float>() == 0.0F;
+  if (rank == 0) std::cout << (all_ok ? "consumer: ok" : "consumer: FAILED") << std::endl;
+  return all_ok ? 0 : 1;
 }

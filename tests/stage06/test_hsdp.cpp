@@ -3,6 +3,7 @@
 // one all-reduce across the column of the sizes theory gives, the gradient is divided once by N, one replica is
 // stage 04 bit for bit, and the all-reduce is in flight (not waited for) when the next unit's reduce-scatter goes.
 #include "shardlab/hsdp/hsdp.h"
+#include "shardlab/hsdp/parallelize.h"
 
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
@@ -602,6 +603,79 @@ TEST(HsdpMemory, MeasuredGradientPeakIsWithinTheTheoryOfThePhasedReduction) {
               << mode << ": after the step only the sharded gradients are held";
         },
         test_group());
+  }
+}
+
+// ---- The library's entry point ---------------------------------------------------------------------------------
+
+// parallelize() picks the wrapper from the mesh's shape (4x1: DDP, 1x4: FSDP, 2x2: HSDP) and each trains like one
+// device on the union batch, with micro-batches under its no_sync; DDP refuses mixed precision and only HSDP defers
+// its all-reduce, both with errors that name the mesh, before any collective of the wrong kind.
+TEST(Parallelize, TheMeshShapeChoosesDdpFsdpOrHsdpAndEachTrainsLikeOneDevice) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 2;
+  c.global_batch = 8;
+  c.micro_batches = 2;
+  const ReferenceResult ref = train_reference(c);
+  struct Shape {
+    int replicate, shard;
+    const char* kind;
+  };
+  for (const Shape& shape : {Shape{4, 1, "ddp"}, Shape{1, 4, "fsdp"}, Shape{2, 2, "hsdp"}}) {
+    std::vector<std::vector<at::Tensor>> finals(4);
+    run_world(
+        4,
+        [&](World& world) {
+          Mesh mesh(world, shape.replicate, shape.shard);
+          auto model = make_model(c, at::kCPU);
+          if (shape.shard == 1) {
+            ParallelPolicy mixed;
+            mixed.mixed_precision.param_dtype = at::kBFloat16;
+            try {
+              parallelize(make_model(c, at::kCPU), mesh, mixed);
+              ADD_FAILURE() << "DDP accepted mixed precision";
+            } catch (const std::invalid_argument& e) {
+              EXPECT_NE(std::string(e.what()).find("4x1 mesh (shard size 1) gives DDP"), std::string::npos) << e.what();
+            }
+          }
+          auto dp = parallelize(model, mesh);
+          EXPECT_EQ(dp->kind_name(), shape.kind) << mesh.to_string();
+          EXPECT_EQ(dp->sharded() != nullptr, shape.shard > 1) << mesh.to_string();
+          if (shape.replicate == 1 || shape.shard == 1) {
+            try {
+              dp->set_requires_all_reduce(false);
+              ADD_FAILURE() << shape.kind << " accepted set_requires_all_reduce";
+            } catch (const std::invalid_argument& e) {
+              EXPECT_NE(std::string(e.what()).find("this is " + std::string(shape.kind) + " on a " + mesh.to_string()),
+                        std::string::npos)
+                  << e.what();
+            }
+          }
+          test_support::train_steps(world.world(), c, dp->parameters(), at::kCPU, *dp);
+          finals[world.rank()] = on_cpu(dp->full_parameters());
+          // The reduction policy's wire reaches the wrapper: fp16 buckets under DDP, fp16 on both groups otherwise.
+          ParallelPolicy fp16;
+          fp16.reduction.wire = Wire::kFloat16;
+          auto compressed = parallelize(make_model(c, at::kCPU), mesh, fp16);
+          const size_t mark = world.recorder().size();
+          compressed->loss(rank_slice(make_dataset(c.model, c.seed)->global_batch(0, c.global_batch), world.rank(), 4))
+              .backward();
+          size_t reductions = 0;
+          for (const auto& r : world.recorder().since(mark)) {
+            if (r.op != "all_reduce" && r.op != "reduce_scatter") continue;
+            ++reductions;
+            EXPECT_EQ(r.dtype, at::kHalf) << shape.kind << ": a " << r.op << " of " << c10::toString(r.dtype);
+          }
+          EXPECT_GT(reductions, 0u) << shape.kind;
+        },
+        test_group());
+    for (int r = 0; r < 4; ++r) {
+      const double diff = max_abs_diff(finals[r], ref.params);
+      std::cout << shape.kind << " rank " << r << ": max |param - one device| = " << diff << "\n";
+      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol))
+          << shape.kind << " rank " << r << " differs by " << diff;
+    }
   }
 }
 

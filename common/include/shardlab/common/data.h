@@ -2,7 +2,7 @@
 /// @file data.h
 /// Deterministic data: every rank can build the same global batch for any step, and take its own slice.
 
-#include "shardlab/common/model.h"
+#include "shardlab/common/model_factory.h"
 
 #include <memory>
 #include <string>

@@ -1,7 +1,7 @@
 #pragma once
 /// @file model.h
-/// The models every stage trains. All are deterministic from a seed: the same seed gives bit-identical
-/// parameters on every rank and every run, without touching the global RNG (ranks may be threads).
+/// What a model is to shardlab (part of the core library): a torch::nn::Module with a mean loss over a Batch, split
+/// into units that the wrappers shard. The shipped models (make_model) are in models.h, part of the course library.
 ///
 /// Vocabulary: a *Batch* is a pair (input, target) whose dim 0 is the batch dimension; `step` is the training step
 /// it belongs to (some test models use it to leave a parameter without gradient on odd steps).
@@ -117,29 +117,6 @@ at::Tensor UnitRef<M>::operator()(const at::Tensor& x) const {
   if (model_ == nullptr) throw std::logic_error("UnitRef: called before register_unit gave it a unit");
   return model_->units_[index_].forward(x);
 }
-
-/// Names accepted by make_model: "mlp", "tiny_gpt", "edge".
-const std::vector<std::string>& model_names();
-
-/// Transformer blocks of "tiny_gpt" when nothing else is asked for (each block is one unit).
-constexpr int64_t kDefaultGptLayers = 4;
-
-/// Width of "tiny_gpt" when nothing else is asked for.
-constexpr int64_t kDefaultGptDim = 32;
-
-/// Builds "tiny_gpt" with `layers` blocks (>= 1) of width `dim` (even: 2 heads) from `seed`, on `device`
-/// (initialized on CPU, then moved).
-/// @throws std::invalid_argument when layers < 1 or dim is not a positive multiple of 2.
-std::shared_ptr<Model> make_tiny_gpt(int64_t layers, uint64_t seed, const c10::Device& device,
-                                     int64_t dim = kDefaultGptDim);
-
-/// Builds model `name` with parameters drawn from `seed`.
-/// @throws std::invalid_argument naming the accepted models if `name` is unknown.
-std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed);
-
-/// Model `name` from `seed`, initialized on CPU (so every device starts from bit-identical values) and then moved
-/// to `device`. @throws std::invalid_argument as make_model(name, seed).
-std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed, const c10::Device& device);
 
 /// Fills every parameter and buffer of `module` from a private generator seeded with `seed` (normal, std 0.02 for
 /// matrices, zeros for biases, ones for norm weights). Used by the models; exposed for tests that need ranks to

@@ -1,9 +1,9 @@
 #pragma once
 /// @file models.h
-/// The concrete models behind make_model. Include this only where the concrete type matters (tests of the
-/// edge cases); everything else uses model.h.
+/// The concrete models behind make_model (model_factory.h). Include this only where the concrete type matters
+/// (tests of the edge cases); everything else uses model_factory.h.
 
-#include "shardlab/common/model.h"
+#include "shardlab/common/model_factory.h"
 
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>

@@ -3,7 +3,7 @@
 /// The ground truth: a single-device trainer that runs the same model, data and optimizer on the whole global
 /// batch. Every stage's tests compare N ranks against it.
 
-#include "shardlab/common/model.h"
+#include "shardlab/common/model_factory.h"
 
 #include <torch/optim/optimizer.h>
 

@@ -1,0 +1,108 @@
+#pragma once
+/// @file parallelize.h
+/// The library's entry point, as torchtitan's `parallelize`: a model with units, a mesh, and small policies give
+/// data parallelism of the mesh's shape. A mesh of R replicas × S shards gives
+///  - DDP when S = 1 (stage 02's bucketed DDP over the R ranks: every rank holds the whole model);
+///  - FSDP when R = 1 (stage 04's sharded units over the S ranks, with stage 05's prefetch);
+///  - HSDP otherwise (stage 06: sharded within each row, all-reduced across the rows).
+/// Every rank calls it alike; it broadcasts rank 0's state over the whole world, so every rank starts equal.
+///
+/// @code
+///   auto world = shardlab::World::from_environment();       // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+///   shardlab::Mesh mesh(*world, /*replicate=*/2, /*shard=*/4);   // 2 machines of 4 ranks: HSDP
+///   auto dp = shardlab::parallelize(model, mesh);             // FSDP2's defaults
+///   torch::optim::AdamW opt(dp->parameters(), torch::optim::AdamWOptions(1e-3));
+///   for (...) { opt.zero_grad(); dp->loss(my_slice).backward(); opt.step(); }
+/// @endcode
+
+#include "shardlab/bucketed_ddp/bucketed_ddp.h"
+#include "shardlab/common/model.h"
+#include "shardlab/common/world.h"
+#include "shardlab/fsdp/fsdp.h"
+#include "shardlab/hsdp/hsdp_reducer.h"
+#include "shardlab/naive_ddp/no_sync.h"
+#include "shardlab/prefetch/prefetch_policy.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardlab {
+
+/// When the sharded units give their gathered parameters back (FSDP2's reshard_after_forward).
+struct ReshardPolicy {
+  bool after_forward = true;  ///< free each unit after its forward, gather it again for its backward (FSDP2's default)
+};
+
+/// How gradients are reduced.
+struct ReductionPolicy {
+  /// The dtype on the wire: the reduce dtype, or fp16/bf16 compression (both groups under HSDP; stage 03's hook of
+  /// that name under DDP).
+  hsdp::Wire wire = hsdp::Wire::kReduceDtype;
+  /// False: a trainable parameter without a gradient in a step is an error (as FSDP's and DDP's default).
+  bool allow_unused_parameters = false;
+};
+
+/// Everything parallelize() takes besides the model and the mesh; each part has FSDP2's default.
+struct ParallelPolicy {
+  fsdp::MixedPrecision mixed_precision;  ///< param and reduce dtypes of the sharded units (none: the parameters')
+  ReshardPolicy reshard;                 ///< the sharded units' reshard after forward
+  prefetch::PrefetchPolicy prefetch;     ///< the sharded units' all-gathers issued ahead (depth 1 each way)
+  ReductionPolicy reduction;             ///< the gradients' wire and unused parameters
+};
+
+/// A model trained data-parallel on a mesh: what parallelize() returns. Owns the wrapper; the model and the mesh
+/// must outlive it.
+class DataParallel {
+ public:
+  /// Which wrapper the mesh's shape gave.
+  enum class Kind { kDdp, kFsdp, kHsdp };
+
+  /// Wraps a bucketed DDP (S = 1).
+  DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp);
+  /// Wraps an FSDP (R = 1) or HSDP wrapper.
+  DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded);
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// DDP, FSDP or HSDP.
+  Kind kind() const { return kind_; }
+  /// "ddp", "fsdp" or "hsdp".
+  std::string kind_name() const;
+  /// The forward: the model's mean loss on this rank's slice. Call `backward()` on it; after backward returns
+  /// (outside no_sync) the gradients are the mean over all ranks' slices.
+  at::Tensor loss(const Batch& batch);
+  /// Gradient accumulation: backward passes inside the scope keep their gradients local; the first one after it
+  /// reduces them all.
+  [[nodiscard]] naive_ddp::NoSync no_sync();
+  /// What the optimizer steps: the replica's trainable parameters (DDP), or this rank's shards (FSDP, HSDP).
+  std::vector<at::Tensor> parameters();
+  /// Every parameter of the model as one device holds it, registration order. A collective (FSDP and HSDP gather):
+  /// every rank calls it.
+  std::vector<at::Tensor> full_parameters();
+  /// HSDP: defers (false) or restores (true) the all-reduce across replicas, for accumulation (see
+  /// hsdp::set_requires_all_reduce). @throws std::invalid_argument for DDP and FSDP, which have no such all-reduce.
+  void set_requires_all_reduce(bool requires_all_reduce);
+  /// The FSDP or HSDP wrapper (null for DDP): its memory figures, units, observer.
+  fsdp::FullyShardedModel* sharded() { return sharded_.get(); }
+  /// The DDP wrapper (null for FSDP and HSDP): its buckets.
+  bucketed_ddp::BucketedDDP* ddp() { return ddp_.get(); }
+  /// The mesh it runs on.
+  Mesh& mesh() { return mesh_; }
+
+ private:
+  std::shared_ptr<Model> model_;
+  Mesh& mesh_;
+  Kind kind_;
+  std::unique_ptr<bucketed_ddp::BucketedDDP> ddp_;
+  std::unique_ptr<fsdp::FullyShardedModel> sharded_;
+};
+
+/// Wraps `model` for data parallelism on `mesh` as its shape says (see the file comment), with `policy`. Every
+/// rank of the mesh's world calls it alike; a collective over the whole world.
+/// @throws std::invalid_argument for a null model, and for mixed precision under DDP (S = 1: bucketed DDP computes
+///         in the parameters' dtype), before any collective; and as the wrapper's constructor does.
+std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy = {});
+
+}  // namespace shardlab

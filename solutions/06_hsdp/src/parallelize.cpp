@@ -1,0 +1,89 @@
+#include "shardlab/hsdp/parallelize.h"
+
+#include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/hsdp/hsdp.h"
+#include "shardlab/prefetch/prefetch.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+
+namespace shardlab {
+
+DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp)
+    : model_(std::move(model)), mesh_(mesh), kind_(Kind::kDdp), ddp_(std::move(ddp)) {}
+
+DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh,
+                           std::unique_ptr<fsdp::FullyShardedModel> sharded)
+    : model_(std::move(model)),
+      mesh_(mesh),
+      kind_(mesh.replicate_size() == 1 ? Kind::kFsdp : Kind::kHsdp),
+      sharded_(std::move(sharded)) {}
+
+DataParallel::~DataParallel() = default;
+
+std::string DataParallel::kind_name() const {
+  switch (kind_) {
+    case Kind::kDdp:
+      return "ddp";
+    case Kind::kFsdp:
+      return "fsdp";
+    case Kind::kHsdp:
+      return "hsdp";
+  }
+  return "?";
+}
+
+at::Tensor DataParallel::loss(const Batch& batch) { return ddp_ ? ddp_->loss(batch) : sharded_->loss(batch); }
+
+naive_ddp::NoSync DataParallel::no_sync() { return ddp_ ? ddp_->no_sync() : sharded_->no_sync(); }
+
+std::vector<at::Tensor> DataParallel::parameters() {
+  if (sharded_) return sharded_->parameters();
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : model_->parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  return trainable;
+}
+
+std::vector<at::Tensor> DataParallel::full_parameters() {
+  if (sharded_) return sharded_->full_parameters();
+  std::vector<at::Tensor> out;
+  for (const auto& p : model_->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void DataParallel::set_requires_all_reduce(bool requires_all_reduce) {
+  if (kind_ != Kind::kHsdp)
+    throw std::invalid_argument("DataParallel::set_requires_all_reduce: only HSDP (a mesh of R > 1 replicas and S > 1 "
+                                "shards) has an all-reduce across replicas to defer; this is " +
+                                kind_name() + " on a " + mesh_.to_string() + " mesh (use no_sync() to accumulate)");
+  hsdp::set_requires_all_reduce(*sharded_, requires_all_reduce);
+}
+
+std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
+  if (!model) throw std::invalid_argument("parallelize: expected a model; got null");
+  if (mesh.shard_size() == 1) {  // DDP over the replicas (every rank, since S = 1)
+    if (policy.mixed_precision.param_dtype || policy.mixed_precision.reduce_dtype)
+      throw std::invalid_argument("parallelize: a " + mesh.to_string() +
+                                  " mesh (shard size 1) gives DDP, which computes and reduces in the parameters' "
+                                  "dtype; expected no mixed precision, or a mesh with S > 1 (FSDP or HSDP)");
+    bucketed_ddp::Options options;
+    options.find_unused_parameters = policy.reduction.allow_unused_parameters;
+    if (policy.reduction.wire != hsdp::Wire::kReduceDtype) {
+      const std::string hook = policy.reduction.wire == hsdp::Wire::kFloat16 ? "fp16" : "bf16";
+      options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, mesh.replicate_group()));
+    }
+    auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, mesh.replicate_group(), std::move(options));
+    return std::make_unique<DataParallel>(std::move(model), mesh, std::move(ddp));
+  }
+  fsdp::Options options;  // FSDP (R = 1: no all-reduce at all) or HSDP
+  options.mixed_precision = policy.mixed_precision;
+  options.reshard_after_forward = policy.reshard.after_forward;
+  options.allow_unused_parameters = policy.reduction.allow_unused_parameters;
+  auto sharded = hsdp::fully_shard_hybrid(model, mesh, options, policy.reduction.wire);
+  prefetch::enable_prefetch(*sharded, policy.prefetch);
+  return std::make_unique<DataParallel>(std::move(model), mesh, std::move(sharded));
+}
+
+}  // namespace shardlab
