@@ -1,4 +1,5 @@
-# Exported CMake package: find_package(ShardLab) gives shardlab::common, shardlab::naive_ddp, ...
+# Exported CMake package: find_package(ShardLab) gives shardlab::core and the stages' shardlab::naive_ddp ...
+# shardlab::hsdp (the library), and shardlab::common (the course's parts).
 include(CMakePackageConfigHelpers)
 set(SHARDLAB_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/ShardLab)
 install(EXPORT ShardLabTargets NAMESPACE shardlab:: DESTINATION ${SHARDLAB_CMAKE_DIR})

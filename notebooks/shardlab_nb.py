@@ -40,6 +40,7 @@ LABELS = {
     "hook_bf16": "hook: bf16 compression",
     "fsdp": "FSDP",
     "fsdp_prefetch": "FSDP with prefetch",
+    "hsdp": "HSDP",
 }
 COMPUTE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
 WAIT_COLOR = "#c44e52"
@@ -127,6 +128,10 @@ def label(run):
     if run["strategy"] == "fsdp_prefetch":   # the tool reports the limit in force: the depth unless set, at least 1
         depth, limit = run["prefetch_depth"], run["prefetch_limit"]
         return f"FSDP, prefetch depth {depth}" + (f", limit {limit}" if limit != max(depth, 1) else "")
+    if run["strategy"] == "hsdp":
+        accumulating = run.get("micro_batches", 1) > 1
+        return f"HSDP {run['mesh']}" + ((", all-reduce deferred" if run.get("defer_all_reduce") else ", no_sync")
+                                        if accumulating else "")
     return LABELS.get(run["strategy"], run["strategy"])
 
 
@@ -609,3 +614,66 @@ def plot_memory(runs, replica_bytes=None, step=None, rank=0, title="Parameter by
     fig.tight_layout()
     plt.show()
     return steps
+
+
+# --- HSDP (notebook 06) ---------------------------------------------------------------------------------------
+
+
+def groups_of(run):
+    """Rank -> {role: group name} for every group the rank ran a collective on, read from each rank's trace (a
+    collective's args.group: "world", "shard(0,1)", "replicate(0,2)")."""
+    out = {}
+    for rank in range(run["world_size"]):
+        names = {e["args"]["group"] for e in load_trace(run, rank).spans if e.get("cat") != "compute"
+                 and "group" in e.get("args", {})}
+        out[rank] = {name.split("(")[0]: name for name in names}
+    return out
+
+
+def plot_mesh(run, title=None):
+    """The mesh as the ranks saw it: one box per rank at (row, column) = (its replicate index, its shard index),
+    ranks of one shard group (the rows) joined by a band, ranks of one replicate group (the columns) by a line. Both
+    are read from the groups the ranks' collectives ran on, not from the mesh's formula."""
+    groups = groups_of(run)
+    rows = sorted({g["shard"] for g in groups.values()})
+    cols = sorted({g["replicate"] for g in groups.values()})
+    pos = {r: (rows.index(g["shard"]), cols.index(g["replicate"])) for r, g in groups.items()}
+    fig, ax = plt.subplots(figsize=(2.2 * len(cols) + 2.5, 1.5 * len(rows) + 1))
+    for i, name in enumerate(rows):
+        ax.add_patch(plt.Rectangle((-0.45, -i - 0.35), len(cols) - 0.1, 0.7, color="#dd8452", alpha=0.25))
+        ax.text(len(cols) - 0.4, -i, f"shard group {name}\n(a replica: all-gathers, reduce-scatters)",
+                va="center", fontsize=8)
+    for j, name in enumerate(cols):
+        ax.plot([j, j], [0.3, -len(rows) + 0.7], color="#4c72b0", linewidth=3, alpha=0.6, zorder=1)
+        ax.text(j, 0.5, f"replicate group\n{name}\n(all-reduce)", ha="center", fontsize=8, color="#4c72b0")
+    for rank, (i, j) in pos.items():
+        ax.add_patch(plt.Rectangle((j - 0.3, -i - 0.22), 0.6, 0.44, color="white", ec="black", zorder=2))
+        ax.text(j, -i, f"rank {rank}\nshard {j}", ha="center", va="center", fontsize=9, zorder=3)
+    ax.set_xlim(-0.6, len(cols) + 1.6)
+    ax.set_ylim(-len(rows) + 0.4, 1.1)
+    ax.axis("off")
+    ax.set_title(title or f"Mesh {run['mesh']} (replicas x shards), as rank traces show it")
+    fig.tight_layout()
+    plt.show()
+    return pos
+
+
+def plot_group_bytes(runs, title="Bytes per step and group, rank 0, beside theory"):
+    """Per run, per group role (world; HSDP: shard, replicate): measured bytes per step beside theory."""
+    bars = [(r, role, g) for r in runs for role, g in sorted(r["groups"].items())]
+    fig, ax = plt.subplots(figsize=(1.5 * len(bars) + 3, 3.6))
+    width = 0.38
+    for i, (r, role, g) in enumerate(bars):
+        b1 = ax.bar(i - width / 2, g["bytes_per_step"] / 1024, width, color="#4c72b0",
+                    label="measured" if i == 0 else None)
+        b2 = ax.bar(i + width / 2, g["bytes_per_step_theory"] / 1024, width, color="#bbbbbb", hatch="//",
+                    edgecolor="white", label="theory" if i == 0 else None)
+        ax.bar_label(b1, fmt="%.1f", fontsize=8)
+        ax.bar_label(b2, fmt="%.1f", fontsize=8)
+    ax.set_xticks(range(len(bars)), [f"{label(r)}\n{role}: {g['collectives_per_step']:g}/step" for r, role, g in bars],
+                  fontsize=7)
+    ax.set(ylabel="KiB per step", title=title)
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()

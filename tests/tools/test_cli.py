@@ -40,7 +40,9 @@ expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "0x2"], 2, "--mesh ex
 expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "2x2", "--world-size", "6"], 2,
        "--mesh 2x2 has 4 ranks; got --world-size 6")
 expect([shardlab, "train", "--strategy", "fsdp", "--mesh", "2x2"], 2,
-       "--mesh sets the mesh of strategy hsdp; got strategy 'fsdp'")
+       "--mesh applies to strategy hsdp only; got strategy 'fsdp'")
+expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "65536x65536"], 2,
+       "--mesh expects at most 64 ranks (R x S), as --world-size; got '65536x65536', 4294967296 ranks")
 expect([shardlab, "train", "--strategy", "hsdp", "--defer-all-reduce", "yes"], 2,
        "--defer-all-reduce expects one of true|false; got 'yes'")
 expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat expects an integer in [1, 20]; got '0'")

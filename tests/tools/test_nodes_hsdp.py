@@ -6,7 +6,8 @@ across the nodes). Checks, from the files the ranks write:
   - every rank's parameters equal one device's on the union batch (the `single` strategy's worker) within 1e-5, and
     the four ranks' are bit-identical (the replicas of a shard stay equal);
   - the global loss (the mean of the ranks' slice losses) equals one device's within 1e-4;
-  - every rank communicated on both of its groups, and the same number of collectives on each as every other rank.
+  - every rank communicated on both of its groups, the same number of collectives on each as every other rank, and
+    its groups are the node's (shard: its node's two ranks) and the column's across the nodes (replicate).
 
 Usage: test_nodes_hsdp.py SHARDLAB_RUN SHARDLAB. No check reads a clock: a hang is caught by the launchers'
 --timeout and the test's ctest TIMEOUT."""
@@ -26,7 +27,7 @@ def read_text(path):
     out = {}
     for line in open(path):
         key, *values = line.split()
-        out[key] = [float(v) for v in values]
+        out[key] = values if key.startswith("group_name_") else [float(v) for v in values]
     return out
 
 
@@ -76,6 +77,13 @@ with tempfile.TemporaryDirectory() as tmp:
                 failures.append(f"rank {r} is {diff} away from one device")
             if params[r] != params[0]:
                 failures.append(f"rank {r}'s parameters are not bit-identical to rank 0's")
+            node = r // 2  # launcher node K holds global ranks 2K, 2K + 1
+            want = {"group_name_shard": [f"shard({2 * node},{2 * node + 1})"],
+                    "group_name_replicate": [f"replicate({r % 2},{r % 2 + 2})"]}
+            for key, name in want.items():
+                if texts[r].get(key) != name:
+                    failures.append(f"rank {r} (node {node}): expected its {key[11:]} group {name[0]}; got "
+                                    f"{texts[r].get(key)}")
             for role in ("group_shard", "group_replicate"):
                 got = texts[r].get(role, [0])[0]
                 if got <= 0 or got != texts[0].get(role, [0])[0]:

@@ -63,14 +63,19 @@ bool has_buckets(const std::string& strategy) {
   return strategy == "bucketed_ddp" || strategy == "overlap_optimizer" || strategy.rfind("hook_", 0) == 0;
 }
 
-// "RxS" as Mesh::parse reads it, re-worded to name the flag.
+// "RxS" as Mesh::parse reads it, re-worded to name the flag, of at most 64 ranks (as --world-size).
 std::string mesh_flag(const std::string& flag, const std::string& value) {
+  int64_t ranks = 0;
   try {
-    Mesh::parse(value);
+    const auto [replicas, shards] = Mesh::parse(value);
+    ranks = int64_t{replicas} * shards;
   } catch (const std::invalid_argument&) {
     throw std::invalid_argument(flag + " expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '" + value +
                                 "'");
   }
+  if (ranks > 64)
+    throw std::invalid_argument(flag + " expects at most 64 ranks (R x S), as --world-size; got '" + value + "', " +
+                                std::to_string(ranks) + " ranks");
   return value;
 }
 
@@ -166,7 +171,7 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
   }
   for (const char* flag : {"--mesh", "--defer-all-reduce"}) {
     if (allow_strategy && o.strategy != "hsdp" && given(args, flag))
-      throw std::invalid_argument(std::string(flag) + " sets the mesh of strategy hsdp; got strategy '" + o.strategy +
+      throw std::invalid_argument(std::string(flag) + " applies to strategy hsdp only; got strategy '" + o.strategy +
                                   "'");
   }
   const int world = o.strategy == "single" ? 1 : o.world_size;
@@ -322,7 +327,7 @@ std::string usage() {
          "                      in backward (0: none)                  default 1\n"
          "  --prefetch-limit K  fsdp_prefetch, hsdp: most units ahead at once (0: the depth)  default 0\n"
          "  --mesh RxS          hsdp: R replicas of S shards (sets the world size to R*S)\n"
-         "                      default 2x(N/2) for an even world size N, else 1xN\n"
+         "                      default 2x(N/2) for an even world size N >= 4, else 1xN\n"
          "  --defer-all-reduce true|false  hsdp with --micro-batches > 1: reduce-scatter every micro-batch and\n"
          "                      all-reduce across replicas once (false: no_sync)  default false\n"
          "  --cpu-allocator system|pool  every CPU tensor of 1 MiB or more from a reusing pool  default system\n"

@@ -530,7 +530,7 @@ std::vector<std::string> strategy_names() {
 std::string group_role(const std::string& group_name) { return group_name.substr(0, group_name.find('(')); }
 
 std::pair<int, int> mesh_shape(const StrategyOptions& s, int world) {
-  if (s.mesh.empty()) return world % 2 == 0 ? std::pair{2, world / 2} : std::pair{1, world};
+  if (s.mesh.empty()) return world % 2 == 0 && world >= 4 ? std::pair{2, world / 2} : std::pair{1, world};
   const auto [replicas, shards] = Mesh::parse(s.mesh);
   if (replicas * shards != world)
     throw std::invalid_argument("--mesh " + s.mesh + " has " + std::to_string(replicas * shards) +

@@ -86,7 +86,7 @@ struct Strategy {
 };
 
 /// hsdp's mesh on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the world size is even
-/// (a replica per machine of two), else one replica of all ranks (FSDP).
+/// and at least 4 (a replica per machine of two, each sharded), else one replica of all ranks (FSDP).
 /// @throws std::invalid_argument when --mesh does not have `world` ranks, naming both.
 std::pair<int, int> mesh_shape(const StrategyOptions& s, int world);
 

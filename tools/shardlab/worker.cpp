@@ -135,6 +135,7 @@ int run_worker(const RunOptions& options) {
   CommTime comm_ns;
   std::vector<double> exposed_shares;  // per step with communication: exposed / in flight (the driver takes the median)
   std::map<std::string, std::pair<double, double>> per_group;  // role -> (collectives, bytes) over the steps
+  std::map<std::string, std::string> group_names;              // role -> this rank's group of it ("shard(0,1)")
   if (recorder) {
     std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
     const auto [skip_from, skip_to] = runner->setup_records();
@@ -157,6 +158,7 @@ int run_worker(const RunOptions& options) {
       auto& [group_collectives, group_bytes] = per_group[group_role(r.group)];
       group_collectives += 1;
       group_bytes += static_cast<double>(r.bytes);
+      group_names[group_role(r.group)] = r.group;
     }
     const auto waits = recorder->waits();
     comm_ns = comm_time(records, waits, first_step_ns, last_step_ns);
@@ -171,7 +173,8 @@ int run_worker(const RunOptions& options) {
       << comm_ns.exposed_ns / 1e6 << "\nexposed_share";
   for (double s : exposed_shares) out << ' ' << s;
   for (const auto& [role, figures] : per_group)
-    out << "\ngroup_" << role << " " << figures.first << " " << figures.second;
+    out << "\ngroup_" << role << " " << figures.first << " " << figures.second << "\ngroup_name_" << role << " "
+        << group_names[role];
   out << "\nprogress_yields " << yields << "\nbuckets " << runner->buckets() << "\n";
   for (const auto& [key, values] : runner->extra()) {
     out << key;

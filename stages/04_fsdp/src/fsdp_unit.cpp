@@ -345,21 +345,24 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   if (kept < reducer_bytes_) first += reducer_bytes_ - kept;  // the partial it took goes with the first phase
   if (kept > reducer_bytes_) meter_.allocate(MemoryKind::kGrads, kept - reducer_bytes_);
   reducer_bytes_ = kept;
-  reduced = std::move(reduced).on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
-  return std::move(reduced).then([this, output, second, generation = generation_] {
-    at::NoGradGuard no_grad;
-    count_reducer_bytes();            // a deferred micro-batch's row joined the partial
-    if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
-      meter_.release(MemoryKind::kGrads, second);
-      emit(UnitEventKind::kReduceLanded);
-      return;
-    }
-    // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
-    throw ::shardlab::NotImplemented("04", "this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
-    count_sharded_gradients();
-    meter_.release(MemoryKind::kGrads, second);
-    emit(UnitEventKind::kReduceLanded);
-  });
+  // The first part goes at the advance, or (a one-phase reducer, or a handle waited for without an advance) after
+  // the step below, while the buffers still live: last.
+  return std::move(reduced)
+      .then([this, output, second, generation = generation_] {
+        at::NoGradGuard no_grad;
+        count_reducer_bytes();            // a deferred micro-batch's row joined the partial
+        if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
+          meter_.release(MemoryKind::kGrads, second);
+          emit(UnitEventKind::kReduceLanded);
+          return;
+        }
+        // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is
+        throw ::shardlab::NotImplemented("04", "this rank's row of the average goes into the sharded gradients (accumulated if one is");
+        count_sharded_gradients();
+        meter_.release(MemoryKind::kGrads, second);
+        emit(UnitEventKind::kReduceLanded);
+      })
+      .on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
 }
 
 // Note [A reduction's bytes, phase by phase]

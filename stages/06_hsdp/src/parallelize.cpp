@@ -13,8 +13,7 @@ namespace shardlab {
 DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp)
     : model_(std::move(model)), mesh_(mesh), kind_(Kind::kDdp), ddp_(std::move(ddp)) {}
 
-DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh,
-                           std::unique_ptr<fsdp::FullyShardedModel> sharded)
+DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded)
     : model_(std::move(model)),
       mesh_(mesh),
       kind_(mesh.replicate_size() == 1 ? Kind::kFsdp : Kind::kHsdp),
@@ -55,9 +54,10 @@ std::vector<at::Tensor> DataParallel::full_parameters() {
 
 void DataParallel::set_requires_all_reduce(bool requires_all_reduce) {
   if (kind_ != Kind::kHsdp)
-    throw std::invalid_argument("DataParallel::set_requires_all_reduce: only HSDP (a mesh of R > 1 replicas and S > 1 "
-                                "shards) has an all-reduce across replicas to defer; this is " +
-                                kind_name() + " on a " + mesh_.to_string() + " mesh (use no_sync() to accumulate)");
+    throw std::invalid_argument(
+        "DataParallel::set_requires_all_reduce: only HSDP (a mesh of R > 1 replicas and S > 1 "
+        "shards) has an all-reduce across replicas to defer; this is " +
+        kind_name() + " on a " + mesh_.to_string() + " mesh (use no_sync() to accumulate)");
   hsdp::set_requires_all_reduce(*sharded_, requires_all_reduce);
 }
 

@@ -51,8 +51,8 @@ struct ParallelPolicy {
   ReductionPolicy reduction;             ///< the gradients' wire and unused parameters
 };
 
-/// A model trained data-parallel on a mesh: what parallelize() returns. Owns the wrapper; the model and the mesh
-/// must outlive it.
+/// A model trained data-parallel on a mesh: what parallelize() returns. Owns the wrapper and shares the model; the
+/// mesh (and the World it was made of) must outlive it.
 class DataParallel {
  public:
   /// Which wrapper the mesh's shape gave.
