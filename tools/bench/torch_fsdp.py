@@ -80,29 +80,34 @@ def make_fsdp2_work_on_cpu():
 
 class ByteCounter:
     """Counts what FSDP2's collectives hand to the backend: the payload (the caller's input tensor) and what a ring
-    algorithm sends for it. Gloo's reduce_scatter_tensor is an all-reduce of the whole input inside (PyTorch PR
-    #118911), so it is counted as one."""
+    algorithm sends for it, with the size of the group each ran on (HSDP: the shard group for the all-gathers and
+    reduce-scatters, the replicate group for the all-reduces). Gloo's reduce_scatter_tensor is an all-reduce of the
+    whole input inside (PyTorch PR #118911), so it is counted as one."""
 
     def __init__(self, world):
         self.world, self.payload, self.sent, self.calls = world, 0, 0.0, {}
 
-    def wrap(self, name, input_of, sent_factor):
+    def wrap(self, name, input_of, group_at, sent_factor):
         original = getattr(dist, name)
 
         def counted(*args, **kwargs):
             tensor = input_of(args, kwargs)
+            group = kwargs.get("group", args[group_at] if len(args) > group_at else None)
+            n = dist.get_world_size(group) if group is not None else self.world
             nbytes = tensor.numel() * tensor.element_size()
             self.payload += nbytes
-            self.sent += sent_factor * nbytes
+            self.sent += sent_factor(n) * nbytes
             self.calls[name] = self.calls.get(name, 0) + 1
             return original(*args, **kwargs)
 
         setattr(dist, name, counted)
 
     def install(self):
-        n = self.world
-        self.wrap("all_gather_into_tensor", lambda a, k: k.get("input_tensor", a[1] if len(a) > 1 else None), n - 1)
-        self.wrap("reduce_scatter_tensor", lambda a, k: k.get("input", a[1] if len(a) > 1 else None), 2 * (n - 1) / n)
+        self.wrap("all_gather_into_tensor", lambda a, k: k.get("input_tensor", a[1] if len(a) > 1 else None), 2,
+                  lambda n: n - 1)
+        self.wrap("reduce_scatter_tensor", lambda a, k: k.get("input", a[1] if len(a) > 1 else None), 3,
+                  lambda n: 2 * (n - 1) / n)
+        self.wrap("all_reduce", lambda a, k: k.get("tensor", a[0] if a else None), 2, lambda n: 2 * (n - 1) / n)
 
     def reset(self):
         self.payload, self.sent, self.calls = 0, 0.0, {}
@@ -123,6 +128,7 @@ def parse_args(argv):
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--mesh", metavar="RxS", help="HSDP on a 2-D mesh of R replicas x S shards (default: FSDP)")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -141,9 +147,14 @@ def main(argv):
     model = torch_ddp.TinyGpt(args.vocab, args.block, args.dim, args.heads, args.layers, args.seed)
     param_count = sum(p.numel() for p in model.parameters())
     raf = args.reshard_after_forward == "true"
+    kw = {}
+    if args.mesh:  # HSDP: dim 0 replicates, dim 1 shards (rank = row * S + column, as shardlab's Mesh)
+        from torch.distributed.device_mesh import init_device_mesh
+        replicas, shards = (int(x) for x in args.mesh.split("x"))
+        kw["mesh"] = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=raf)
-    fully_shard(model)  # the root: FSDP2 does not reshard the root after forward (it is used again first in backward)
+        fully_shard(block, reshard_after_forward=raf, **kw)
+    fully_shard(model, **kw)  # the root: FSDP2 does not reshard the root after forward (used again first in backward)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     step_ms, payload, sent, loss = [], [], [], None
@@ -170,6 +181,7 @@ def main(argv):
             "torch_version": torch.__version__,
             "world_size": world,
             "reshard_after_forward": raf,
+            "mesh": args.mesh or "",
             "steps": args.steps,
             "global_batch": args.global_batch,
             "threads": args.threads,

@@ -26,6 +26,43 @@ struct FsdpBenchResult {
   std::string json;      ///< the reports and the peer's figures (a JSON object)
 };
 
+/// What one run of PyTorch FSDP2 (tools/bench/torch_fsdp.py, in the trixie root) gave.
+struct Fsdp2Result {
+  bool ok = false;
+  std::string why;         ///< when !ok
+  double step_ms = 0;      ///< median step, rank 0
+  double param_count = 0;  ///< parameters of its model (to check the shape is shardlab's)
+  double payload = 0;      ///< bytes per step handed to the collectives, rank 0
+  double sent = 0;         ///< bytes per step a ring sends for them, rank 0, by each collective's group size
+  std::string version;     ///< torch's
+};
+
+/// Why PyTorch FSDP2 cannot run from `root` (not root, no trixie root, no python3-torch in it), or "" when it can.
+std::string fsdp2_root_problem(const std::string& root);
+
+/// Runs PyTorch FSDP2 on `run`'s model shape, world size, batch, steps and threads, from `options`' root and
+/// scripts: FSDP over every rank, or HSDP on `mesh` ("RxS", as shardlab's --mesh). /proc must be mounted in the
+/// root (ProcMount). A failure is reported in the result, not thrown.
+Fsdp2Result run_fsdp2(const FsdpBenchOptions& options, const RunOptions& run, bool raf, const std::string& mesh);
+
+/// Mounts /proc inside a root while it lives (torch reads it); unmounts it again only if it mounted it.
+class ProcMount {
+ public:
+  explicit ProcMount(const std::string& root);
+  ~ProcMount();
+  ProcMount(const ProcMount&) = delete;
+  ProcMount& operator=(const ProcMount&) = delete;
+
+ private:
+  std::string proc_;
+  bool mounted_ = false;
+};
+
+/// The HSDP section: HSDP on a 2x2 mesh against FSDP and bucketed DDP at world 4, with accumulation under no_sync and
+/// with the all-reduce deferred, and PyTorch FSDP2's HSDP and FSDP where its root is there. Ratios from one run (4
+/// ranks oversubscribe 2 cores: read the ratios, not the times). @throws std::runtime_error when a run fails.
+FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& options, const std::string& self_exe);
+
 /// Runs shardlab's FSDP (reshard after forward and kept) and bucketed DDP, and PyTorch FSDP2 when its root is
 /// there, in interleaved rounds. @throws std::runtime_error when a shardlab run fails (a peer failure is reported).
 FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& options, const std::string& self_exe);

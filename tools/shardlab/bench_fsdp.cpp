@@ -60,17 +60,8 @@ std::string blas_in(const std::string& root) {
   return "reference BLAS (netlib)";
 }
 
-namespace {
-
-struct PeerResult {
-  bool ok = false;
-  std::string why;  // when !ok
-  double step_ms = 0, param_count = 0, payload = 0, sent = 0;
-  std::string version;
-};
-
 // Why PyTorch FSDP2 cannot run from `root`, or "" when it can.
-std::string torch_root_problem(const std::string& root) {
+std::string fsdp2_root_problem(const std::string& root) {
   if (geteuid() != 0) return "needs root (chroot into " + root + ")";
   if (!fs::exists(fs::path(root) / "usr/bin/python3"))
     return "no Debian trixie root at " + root + " (make it: tools/bench/make-torch-root " + root + ")";
@@ -80,9 +71,8 @@ std::string torch_root_problem(const std::string& root) {
   return "";
 }
 
-PeerResult run_peer(const FsdpBenchOptions& b, bool raf) {
-  PeerResult p;
-  const auto& o = b.run;
+Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, const std::string& mesh) {
+  Fsdp2Result p;
   const fs::path inside = "/tmp/shardlab-bench";
   const fs::path dir = fs::path(b.torch_root) / inside.relative_path();
   std::error_code ec;
@@ -117,6 +107,7 @@ PeerResult run_peer(const FsdpBenchOptions& b, bool raf) {
                                 raf ? "true" : "false",
                                 "--json",
                                 json};
+  if (!mesh.empty()) argv.insert(argv.end(), {"--mesh", mesh});
   const PeerRun run = run_peer_script(o, argv, (dir / "fsdp.json").string());
   if (!run.ok) {
     p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
@@ -133,23 +124,20 @@ PeerResult run_peer(const FsdpBenchOptions& b, bool raf) {
   return p;
 }
 
-// /proc inside the root while it lives (torch reads it); unmounted again only if we mounted it.
-class ProcMount {
- public:
-  explicit ProcMount(const std::string& root) : proc_(root + "/proc") {
-    if (std::system(("mountpoint -q '" + proc_ + "'").c_str()) != 0)
-      mounted_ = std::system(("mount -t proc proc '" + proc_ + "'").c_str()) == 0;
-  }
-  ~ProcMount() {
-    if (mounted_) (void)!std::system(("umount '" + proc_ + "'").c_str());
-  }
-  ProcMount(const ProcMount&) = delete;
-  ProcMount& operator=(const ProcMount&) = delete;
+ProcMount::ProcMount(const std::string& root) : proc_(root + "/proc") {
+  if (std::system(("mountpoint -q '" + proc_ + "'").c_str()) != 0)
+    mounted_ = std::system(("mount -t proc proc '" + proc_ + "'").c_str()) == 0;
+}
 
- private:
-  std::string proc_;
-  bool mounted_ = false;
-};
+ProcMount::~ProcMount() {
+  if (mounted_) (void)!std::system(("umount '" + proc_ + "'").c_str());
+}
+
+namespace {
+
+using PeerResult = Fsdp2Result;
+
+PeerResult run_peer(const FsdpBenchOptions& b, bool raf) { return run_fsdp2(b, b.run, raf, ""); }
 
 }  // namespace
 
@@ -170,7 +158,7 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
                         {"fsdp_prefetch depth 1 (kept)", "fsdp_prefetch", false, 1, {}}};
   auto is_fsdp = [](const Row& row) { return row.strategy.rfind("fsdp", 0) == 0; };
   PeerResult peers[2];  // [0]: raf true, [1]: raf false
-  std::string peer_why = b.torch ? torch_root_problem(b.torch_root) : "skipped (--no-torch)";
+  std::string peer_why = b.torch ? fsdp2_root_problem(b.torch_root) : "skipped (--no-torch)";
   std::unique_ptr<ProcMount> proc;
   if (peer_why.empty()) proc = std::make_unique<ProcMount>(b.torch_root);
   for (int k = 0; k < b.repeat; ++k) {  // interleaved rounds, best median of each (see bench.cpp)
