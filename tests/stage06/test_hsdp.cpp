@@ -275,6 +275,35 @@ INSTANTIATE_TEST_SUITE_P(Stage06, HsdpDivide,
                            return std::to_string(info.param.first) + "x" + std::to_string(info.param.second);
                          });
 
+// One shard per replica (S = 1) is data parallelism: HSDP on a 4x1 mesh (shard groups of one rank, every gradient
+// all-reduced over the 4 replicas) against stage 02's bucketed DDP on the same 4 ranks, within rtol 1e-6 (the sums
+// differ in order: one all-reduce per unit against one per bucket, and pre/post division against DDP's mean).
+TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 3;
+  c.global_batch = 8;
+  std::vector<std::vector<at::Tensor>> hybrid(4), ddp(4);
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 4, 1);
+        auto model = make_model(c, at::kCPU);
+        auto fsdp = fully_shard_hybrid(model, mesh);
+        test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
+        hybrid[world.rank()] = on_cpu(fsdp->full_parameters());
+        auto replica = make_model(c, at::kCPU);
+        bucketed_ddp::BucketedDDP plain(replica, world.world());
+        ddp[world.rank()] = test_support::train_replica(world.world(), c, *replica, plain);
+      },
+      test_group());
+  for (int r = 0; r < 4; ++r) {
+    const double diff = max_abs_diff(hybrid[r], ddp[r]);
+    std::cout << "4x1 rank " << r << ": max |hsdp - bucketed ddp| = " << diff << "\n";
+    EXPECT_TRUE(all_close(hybrid[r], ddp[r], 1e-6, 1e-7)) << "rank " << r << " differs by " << diff;
+  }
+}
+
 // One replica (R = 1) is stage 04's FSDP: the same collectives (no all-reduce at all) and the same bits.
 TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
   TrainConfig c;

@@ -47,14 +47,13 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
     bool defer;
     RunReport report;
   };
-  std::vector<Row> rows{{"bucketed_ddp", "bucketed_ddp", 1, false, {}},
-                        {"fsdp_prefetch depth 1", "fsdp_prefetch", 1, false, {}},
-                        {"hsdp 2x2 (prefetch depth 1)", "hsdp", 1, false, {}},
-                        {"fsdp_prefetch, " + std::to_string(k) + " micro-batches, no_sync", "fsdp_prefetch", k, false,
-                         {}},
-                        {"hsdp 2x2, " + std::to_string(k) + " micro-batches, no_sync", "hsdp", k, false, {}},
-                        {"hsdp 2x2, " + std::to_string(k) + " micro-batches, all-reduce deferred", "hsdp", k, true,
-                         {}}};
+  std::vector<Row> rows{
+      {"bucketed_ddp", "bucketed_ddp", 1, false, {}},
+      {"fsdp_prefetch depth 1", "fsdp_prefetch", 1, false, {}},
+      {"hsdp 2x2 (prefetch depth 1)", "hsdp", 1, false, {}},
+      {"fsdp_prefetch, " + std::to_string(k) + " micro-batches, no_sync", "fsdp_prefetch", k, false, {}},
+      {"hsdp 2x2, " + std::to_string(k) + " micro-batches, no_sync", "hsdp", k, false, {}},
+      {"hsdp 2x2, " + std::to_string(k) + " micro-batches, all-reduce deferred", "hsdp", k, true, {}}};
   Fsdp2Result peers[2];  // [0]: HSDP 2x2, [1]: FSDP over 4
   std::string peer_why = b.torch ? fsdp2_root_problem(b.torch_root) : "skipped (--no-torch)";
   std::unique_ptr<ProcMount> proc;
@@ -99,10 +98,9 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
     const RunReport& r = row.report;
     const RunReport& base = row.micro_batches == 1 ? hsdp : rows[4].report;  // against hsdp at the same k
     md << "| " << row.label << " | " << fixed(r.step_time_ms, 2) << " | "
-       << fixed(r.step_time_ms / std::max(1e-9, base.step_time_ms), 2) << "x | "
-       << fixed(r.exposed_comm_ms_per_step, 2) << " | " << r.collectives_per_step << " | " << group_bytes(r, "shard")
-       << " | " << group_bytes(r, "replicate") << " | " << group_bytes(r, "world") << " | "
-       << static_cast<int64_t>(r.peak_grad_bytes) << " | "
+       << fixed(r.step_time_ms / std::max(1e-9, base.step_time_ms), 2) << "x | " << fixed(r.exposed_comm_ms_per_step, 2)
+       << " | " << r.collectives_per_step << " | " << group_bytes(r, "shard") << " | " << group_bytes(r, "replicate")
+       << " | " << group_bytes(r, "world") << " | " << static_cast<int64_t>(r.peak_grad_bytes) << " | "
        << fixed(r.peak_grad_bytes / std::max(1.0, r.peak_grad_bytes_theory), 2) << " | " << r.max_param_diff << " |\n";
   }
   for (int i = 0; i < 2 && peer_ok; ++i)
@@ -119,10 +117,9 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   const RunReport& deferred = rows[5].report;
   targets << "- " << k << " micro-batches, hsdp deferred / no_sync: step time "
           << fixed(deferred.step_time_ms / no_sync.step_time_ms, 2) << "x, gradient peak "
-          << fixed(deferred.peak_grad_bytes / std::max(1.0, no_sync.peak_grad_bytes), 2)
-          << "x, replicate-group bytes " << group_bytes(deferred, "replicate") << " against "
-          << group_bytes(no_sync, "replicate") << " (one all-reduce per unit per step either way; " << k
-          << "x that without either)\n";
+          << fixed(deferred.peak_grad_bytes / std::max(1.0, no_sync.peak_grad_bytes), 2) << "x, replicate-group bytes "
+          << group_bytes(deferred, "replicate") << " against " << group_bytes(no_sync, "replicate")
+          << " (one all-reduce per unit per step either way; " << k << "x that without either)\n";
   if (peer_ok)
     targets << "- hsdp 2x2 step time / PyTorch FSDP2 HSDP 2x2 = " << fixed(hsdp.step_time_ms / peers[0].step_ms, 2)
             << "; PyTorch FSDP2 HSDP / its FSDP over 4 = " << fixed(peers[0].step_ms / peers[1].step_ms, 2) << "\n";
@@ -132,8 +129,8 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   FsdpBenchResult out;
   std::ostringstream head;
   head << "model tiny_gpt, " << o.train.layers << " blocks of width " << o.train.dim << " (" << params
-       << " parameters), 4 processes on " << blas_in("") << " (Gloo on CPU), micro-batch "
-       << o.train.global_batch / 4 << " per rank, " << o.train.steps << " steps, sgd; each figure is the best median "
+       << " parameters), 4 processes on " << blas_in("") << " (Gloo on CPU), micro-batch " << o.train.global_batch / 4
+       << " per rank, " << o.train.steps << " steps, sgd; each figure is the best median "
        << "step time of " << b.repeat << " interleaved rounds";
   out.heading = head.str();
   out.markdown = md.str();
@@ -144,10 +141,9 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   json.precision(17);
   json << "{\"pytorch_fsdp2\": [";
   for (int i = 0; i < 2; ++i)
-    json << (i ? ", " : "") << "{\"ok\": " << (peer_ok ? "true" : "false") << ", \"mesh\": \""
-         << (i == 0 ? "2x2" : "") << "\", \"median_step_ms\": " << peers[i].step_ms
-         << ", \"payload_bytes_per_step\": " << peers[i].payload << ", \"torch_version\": \"" << peers[i].version
-         << "\"}";
+    json << (i ? ", " : "") << "{\"ok\": " << (peer_ok ? "true" : "false") << ", \"mesh\": \"" << (i == 0 ? "2x2" : "")
+         << "\", \"median_step_ms\": " << peers[i].step_ms << ", \"payload_bytes_per_step\": " << peers[i].payload
+         << ", \"torch_version\": \"" << peers[i].version << "\"}";
   std::string problem = peer_why;
   std::replace(problem.begin(), problem.end(), '"', '\'');
   std::replace(problem.begin(), problem.end(), '\\', '/');
