@@ -4,6 +4,7 @@
 // stage 04 bit for bit, and the all-reduce is in flight (not waited for) when the next unit's reduce-scatter goes.
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/hsdp/parallelize.h"
+#include "shardlab/prefetch/prefetch.h"
 
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
@@ -301,6 +302,54 @@ TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
     const double diff = max_abs_diff(hybrid[r], ddp[r]);
     std::cout << "4x1 rank " << r << ": max |hsdp - bucketed ddp| = " << diff << "\n";
     EXPECT_TRUE(all_close(hybrid[r], ddp[r], 1e-6, 1e-7)) << "rank " << r << " differs by " << diff;
+  }
+}
+
+// Stage 04's and 05's options work unchanged under HSDP: units kept after forward with stage 05's prefetch (depth 1
+// each way) train like one device within rtol 1e-5; bf16 compute with an f32 reduction matches stage 04's FSDP over
+// all 4 ranks with the same policy after a step (each rank computes the same bf16 gradients of the same values; only
+// the f32 sums run in another order).
+TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.steps = 3;
+  c.global_batch = 8;
+  const ReferenceResult ref = train_reference(c);
+  std::vector<std::vector<at::Tensor>> kept(4), hybrid_bf16(4), fsdp_bf16(4);
+  run_world(
+      4,
+      [&](World& world) {
+        Mesh mesh(world, 2, 2);
+        fsdp::Options raf_off;
+        raf_off.reshard_after_forward = false;
+        auto model = make_model(c, at::kCPU);
+        auto wrapper = fully_shard_hybrid(model, mesh, raf_off);
+        prefetch::enable_prefetch(*wrapper);
+        test_support::train_steps(world.world(), c, wrapper->parameters(), at::kCPU, *wrapper);
+        kept[world.rank()] = on_cpu(wrapper->full_parameters());
+
+        TrainConfig one = c;
+        one.steps = 1;
+        fsdp::Options bf16;
+        bf16.mixed_precision.param_dtype = at::kBFloat16;
+        bf16.mixed_precision.reduce_dtype = at::kFloat;
+        auto m1 = make_model(one, at::kCPU);
+        auto hybrid = fully_shard_hybrid(m1, mesh, bf16);
+        test_support::train_steps(world.world(), one, hybrid->parameters(), at::kCPU, *hybrid);
+        hybrid_bf16[world.rank()] = on_cpu(hybrid->full_parameters());
+        auto m2 = make_model(one, at::kCPU);
+        FullyShardedModel flat(m2, world.world(), bf16);
+        test_support::train_steps(world.world(), one, flat.parameters(), at::kCPU, flat);
+        fsdp_bf16[world.rank()] = on_cpu(flat.full_parameters());
+      },
+      test_group());
+  for (int r = 0; r < 4; ++r) {
+    const double diff = max_abs_diff(kept[r], ref.params), mp = max_abs_diff(hybrid_bf16[r], fsdp_bf16[r]);
+    std::cout << "rank " << r << ": kept + prefetch vs one device " << diff << "; bf16 hsdp vs bf16 fsdp " << mp
+              << "\n";
+    EXPECT_TRUE(all_close(kept[r], ref.params, kRtol, kAtol))
+        << "rank " << r << " (kept, prefetch) differs by " << diff;
+    EXPECT_TRUE(all_close(hybrid_bf16[r], fsdp_bf16[r], 1e-6, 1e-7)) << "rank " << r << " (bf16) differs by " << mp;
   }
 }
 
