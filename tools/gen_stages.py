@@ -42,6 +42,8 @@ BEGIN = re.compile(r"^(\s*)//\s*BEGIN SOLUTION\(\s*(\d+)\s*(,\s*keep\s*)?\):(.*)
 END = re.compile(r"^\s*//\s*END SOLUTION\s*$")
 ERRORS_INCLUDE = '"shardlab/common/errors.h"'
 BEGIN_FORM = "'// BEGIN SOLUTION(NN): <what>' or '// BEGIN SOLUTION(NN, keep): <what>'"
+COMMENT = re.compile(r"^(\s*)//\s?(.*)$")
+COLUMN_LIMIT = 120  # .clang-format's: a longer BEGIN line is wrapped onto the next line by the formatter
 GENERATED_MD = """# Generated files: do not edit
 
 This directory was generated from `solutions/{name}` by `tools/gen_stages.py`.
@@ -54,11 +56,25 @@ class GenError(Exception):
     pass
 
 
+def wrapped_begin(line, following):
+    """True when `following` reads as the formatter's continuation of the BEGIN line `line`: a plain comment at the
+    same indent, going on mid-sentence (not a capital), whose first word would not have fit on the line (clang-format
+    wraps a comment line past the column limit, and the wrapped words would then vanish into the solution region,
+    leaving the TODO title cut mid-sentence)."""
+    b, c = BEGIN.match(line), COMMENT.match(following or "")
+    if not b or not c or c.group(1) != b.group(1) or not c.group(2) or BEGIN.match(following) or END.match(following):
+        return False
+    if c.group(2)[0].isupper():  # a sentence of its own: the region's first comment
+        return False
+    return len(line.rstrip()) + 1 + len(c.group(2).split()[0]) > COLUMN_LIMIT
+
+
 def strip_regions(text, nn, where):
     """Return (new_text, regions_replaced) for one source file; raise GenError on bad markers."""
     out, regions, open_at = [], 0, None  # open_at: (line number, indent, what, keep, eol)
     throws = False
-    for num, raw in enumerate(text.split("\n"), 1):
+    lines = text.split("\n")
+    for num, raw in enumerate(lines, 1):
         eol = "\r" if raw.endswith("\r") else ""
         line = raw[: len(raw) - len(eol)]
         m = BEGIN.match(line)
@@ -73,6 +89,11 @@ def strip_regions(text, nn, where):
             if not what:
                 raise GenError(f"{where}:{num}: empty <what> in BEGIN SOLUTION marker: expected "
                                f"{BEGIN_FORM} with a description, got '{line.strip()}'")
+            following = lines[num].rstrip("\r") if num < len(lines) else ""
+            if wrapped_begin(line, following):
+                raise GenError(f"{where}:{num}: the BEGIN SOLUTION line was wrapped by the formatter (its "
+                               f"{COLUMN_LIMIT}-column limit): line {num + 1}, '{following.strip()}', continues it "
+                               f"and would vanish from the TODO title; expected a <what> that fits on one line")
             open_at = (num, indent, what, bool(keep), eol)
         elif END.match(line):
             if not open_at:

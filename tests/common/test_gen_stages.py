@@ -151,6 +151,10 @@ class GenStagesTest(unittest.TestCase):
         self.expect_error("int f() {\n  // BEGIN SOLUTION(07): a\n  return 1;\n  // END SOLUTION\n}\n", 1,
                           ["shardlab/common/errors.h", "NotImplemented"],
                           "a throwing region in a file without the errors header")
+        # A BEGIN line the formatter wrapped: the title would be cut mid-sentence and its end vanish into the region.
+        long_what = "x" * 90 + " and the rest of the"
+        self.expect_error(f"  // BEGIN SOLUTION(07): {long_what}\n  // sentence\n  int y;\n  // END SOLUTION\n", 1,
+                          ["wrapped by the formatter", "line 2", "'// sentence'"], "a wrapped BEGIN line")
 
 
 if __name__ == "__main__":

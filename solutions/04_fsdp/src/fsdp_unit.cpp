@@ -126,8 +126,7 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   gathered_ = first.is_cpu() && pool_ != nullptr
                   ? pool_->empty(gathered_numel_, dtypes_.param)  // regrow_storage draws from the pool too
                   : at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
-  // BEGIN SOLUTION(04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered
-  // slots
+  // BEGIN SOLUTION(04): copy in this rank's shard of every parameter; make the sharded and the gathered slots
   for (auto& fp : params_) {
     copy_in_shard(fp.spec, fp.param.detach(), rank, sharded_flat_.narrow(0, fp.shard_offset, fp.spec.padded_numel()));
     fp.sharded = alias_slot(sharded_flat_, fp.shard_offset, fp.spec.shard_sizes(rank));
@@ -407,34 +406,32 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   reducer_bytes_ = kept;
   // The first part goes at the advance, or (a one-phase reducer, or a handle waited for without an advance) after
   // the step below, while the buffers still live: last.
-  return std::move(reduced)
-      .then([this, output, second, generation = generation_] {
-        at::NoGradGuard no_grad;
-        count_reducer_bytes();            // a deferred micro-batch's row joined the partial
-        if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
-          meter_.release(MemoryKind::kGrads, second);
-          emit(UnitEventKind::kReduceLanded);
-          return;
-        }
-        // BEGIN SOLUTION(04): this rank's row of the average goes into the sharded gradients (accumulated if one is
-        // there)
-        for (auto& fp : params_) {
-          if (!fp.trainable) continue;
-          const int64_t n = fp.sharded.numel();
-          at::Tensor mine = output.narrow(0, fp.grad_offset, n).view(fp.sharded.sizes());
-          at::Tensor& grad = fp.sharded.mutable_grad();
-          if (grad.defined()) {
-            grad.add_(mine.to(grad.scalar_type()));
-          } else {
-            grad = mine.to(dtypes_.orig, /*non_blocking=*/false, /*copy=*/true);  // its own memory, never a view
-          }
-        }
-        // END SOLUTION
-        count_sharded_gradients();
-        meter_.release(MemoryKind::kGrads, second);
-        emit(UnitEventKind::kReduceLanded);
-      })
-      .on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
+  Handle landed = std::move(reduced).then([this, output, second, generation = generation_] {
+    at::NoGradGuard no_grad;
+    count_reducer_bytes();            // a deferred micro-batch's row joined the partial
+    if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
+      meter_.release(MemoryKind::kGrads, second);
+      emit(UnitEventKind::kReduceLanded);
+      return;
+    }
+    // BEGIN SOLUTION(04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
+    for (auto& fp : params_) {
+      if (!fp.trainable) continue;
+      const int64_t n = fp.sharded.numel();
+      at::Tensor mine = output.narrow(0, fp.grad_offset, n).view(fp.sharded.sizes());
+      at::Tensor& grad = fp.sharded.mutable_grad();
+      if (grad.defined()) {
+        grad.add_(mine.to(grad.scalar_type()));
+      } else {
+        grad = mine.to(dtypes_.orig, /*non_blocking=*/false, /*copy=*/true);  // its own memory, never a view
+      }
+    }
+    // END SOLUTION
+    count_sharded_gradients();
+    meter_.release(MemoryKind::kGrads, second);
+    emit(UnitEventKind::kReduceLanded);
+  });
+  return std::move(landed).on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
 }
 
 // Note [A reduction's bytes, phase by phase]

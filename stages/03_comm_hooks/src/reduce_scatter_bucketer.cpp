@@ -163,13 +163,13 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
   if (input.numel() % world != 0)
     fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " + std::to_string(input.numel()) +
          " elements, not a multiple of " + std::to_string(world));
-  // TODO(stage03): send a large input at once, or copy a small one into its bucket (launching the bucket first
-  throw ::shardlab::NotImplemented("03", "send a large input at once, or copy a small one into its bucket (launching the bucket first");
+  // TODO(stage03): send a large input at once, or copy a small one into its bucket (launched first when full)
+  throw ::shardlab::NotImplemented("03", "send a large input at once, or copy a small one into its bucket (launched first when full)");
 }
 
 void ReduceScatterBucketer::flush() {
-  // TODO(stage03): launch the partial buckets, wait for every collective in launch order, then run the callbacks
-  throw ::shardlab::NotImplemented("03", "launch the partial buckets, wait for every collective in launch order, then run the callbacks");
+  // TODO(stage03): launch the partial buckets, wait for each in launch order, run the callbacks, recycle buffers
+  throw ::shardlab::NotImplemented("03", "launch the partial buckets, wait for each in launch order, run the callbacks, recycle buffers");
 }
 
 void ReduceScatterBucketer::teardown() {

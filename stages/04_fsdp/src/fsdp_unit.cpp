@@ -126,8 +126,8 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   gathered_ = first.is_cpu() && pool_ != nullptr
                   ? pool_->empty(gathered_numel_, dtypes_.param)  // regrow_storage draws from the pool too
                   : at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
-  // TODO(stage04): copy this rank's shard of every parameter in; make the sharded parameters and the gathered
-  throw ::shardlab::NotImplemented("04", "copy this rank's shard of every parameter in; make the sharded parameters and the gathered");
+  // TODO(stage04): copy in this rank's shard of every parameter; make the sharded and the gathered slots
+  throw ::shardlab::NotImplemented("04", "copy in this rank's shard of every parameter; make the sharded and the gathered slots");
   meter_.allocate(MemoryKind::kParams, sharded_bytes());
 }
 
@@ -347,22 +347,21 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   reducer_bytes_ = kept;
   // The first part goes at the advance, or (a one-phase reducer, or a handle waited for without an advance) after
   // the step below, while the buffers still live: last.
-  return std::move(reduced)
-      .then([this, output, second, generation = generation_] {
-        at::NoGradGuard no_grad;
-        count_reducer_bytes();            // a deferred micro-batch's row joined the partial
-        if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
-          meter_.release(MemoryKind::kGrads, second);
-          emit(UnitEventKind::kReduceLanded);
-          return;
-        }
-        // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is
-        throw ::shardlab::NotImplemented("04", "this rank's row of the average goes into the sharded gradients (accumulated if one is");
-        count_sharded_gradients();
-        meter_.release(MemoryKind::kGrads, second);
-        emit(UnitEventKind::kReduceLanded);
-      })
-      .on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
+  Handle landed = std::move(reduced).then([this, output, second, generation = generation_] {
+    at::NoGradGuard no_grad;
+    count_reducer_bytes();            // a deferred micro-batch's row joined the partial
+    if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
+      meter_.release(MemoryKind::kGrads, second);
+      emit(UnitEventKind::kReduceLanded);
+      return;
+    }
+    // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
+    throw ::shardlab::NotImplemented("04", "this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
+    count_sharded_gradients();
+    meter_.release(MemoryKind::kGrads, second);
+    emit(UnitEventKind::kReduceLanded);
+  });
+  return std::move(landed).on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
 }
 
 // Note [A reduction's bytes, phase by phase]
