@@ -17,6 +17,7 @@
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <iostream>
@@ -266,6 +267,36 @@ TEST_P(HsdpDivide, TheGradientIsTheMeanOverAllNRanks) {
                                             << " x one rank's; the mean over N = " << N << " is " << mean << " x";
             EXPECT_TRUE(at::allclose(got, g * mean, 1e-5, 1e-7)) << fp.name;
           }
+      },
+      test_group());
+}
+
+// Divided once, by N's factors, not once per group, bit for bit. Every rank of a 2x3 mesh reduces the same rows X,
+// so every sum adds equal terms and its rounding does not depend on the order the collectives add in: the mean must
+// be exactly (((X/pre + X/pre) + X/pre) * 2) / post, pre * post = 6, computed here in f32 as the wire carries it. A
+// reducer that divides by S = 3 in the row and by R = 2 in the column rounds elsewhere: the test checks that the
+// two differ on X before it blames anyone, and names the elements that differ.
+TEST(HsdpDivide, OnceByTheFactorsOfNNotOncePerGroupBitForBit) {
+  constexpr int R = 2, S = 3, kRow = 4096;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(17);
+  const at::Tensor x = at::randn({kRow}, gen, at::TensorOptions().dtype(at::kFloat));
+  const double pre = comm_hooks::gradient_predivide_factor(R * S), post = (R * S) / pre;
+  auto sum3 = [](const at::Tensor& y) { return (y + y) + y; };
+  const at::Tensor once = (sum3(x / pre) * 2) / post;  // x2: a sum of two equal terms, exact
+  const at::Tensor per_group = (sum3(x / S) * 2) / R;
+  ASSERT_FALSE(at::equal(once, per_group)) << "X does not tell the two divisions apart; pick another seed";
+  run_world(
+      R * S,
+      [&](World& world) {
+        Mesh mesh(world, R, S);
+        HsdpReducer reducer(mesh.shard_group(), mesh.replicate_group());
+        at::Tensor input = x.repeat({S}), output = at::empty({kRow});
+        reducer(input, output).wait();
+        const int64_t wrong = output.ne(once).sum().item<int64_t>();
+        EXPECT_EQ(wrong, 0) << "rank " << world.rank() << ": " << wrong << " of " << kRow
+                            << " elements differ from one division by N's factors (pre " << pre << ", post " << post
+                            << "); divided per group they would be "
+                            << (at::equal(output, per_group) ? "exactly these" : "something else again");
       },
       test_group());
 }
