@@ -58,14 +58,16 @@ class GenError(Exception):
 
 def wrapped_begin(line, following):
     """True when `following` reads as the formatter's continuation of the BEGIN line `line`: a plain comment at the
-    same indent, going on mid-sentence (not a capital), whose first word would not have fit on the line (clang-format
+    same indent, going on mid-sentence (not a capitalised word such as "Offsets"; an acronym or a single capital may
+    still continue it), whose first word would not have fit on the line (clang-format
     wraps a comment line past the column limit, and the wrapped words would then vanish into the solution region,
     leaving the TODO title cut mid-sentence)."""
     b, c = BEGIN.match(line), COMMENT.match(following or "")
     if not b or not c or c.group(1) != b.group(1) or not c.group(2) or BEGIN.match(following) or END.match(following):
         return False
-    if c.group(2)[0].isupper():  # a sentence of its own: the region's first comment
-        return False
+    word = c.group(2).split()[0]
+    if len(word) > 1 and word[0].isupper() and word[1:].islower():  # "Offsets ...": a sentence of its own, the
+        return False                                                # region's first comment ("HSDP" or "N" may not be)
     return len(line.rstrip()) + 1 + len(c.group(2).split()[0]) > COLUMN_LIMIT
 
 

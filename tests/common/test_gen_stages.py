@@ -152,9 +152,11 @@ class GenStagesTest(unittest.TestCase):
                           ["shardlab/common/errors.h", "NotImplemented"],
                           "a throwing region in a file without the errors header")
         # A BEGIN line the formatter wrapped: the title would be cut mid-sentence and its end vanish into the region.
-        long_what = "x" * 90 + " and the rest of the"
+        long_what = "x" * 70 + " and the rest of the"  # a 116-column line: the next word did not fit
         self.expect_error(f"  // BEGIN SOLUTION(07): {long_what}\n  // sentence\n  int y;\n  // END SOLUTION\n", 1,
                           ["wrapped by the formatter", "line 2", "'// sentence'"], "a wrapped BEGIN line")
+        self.expect_error(f"  // BEGIN SOLUTION(07): {long_what}\n  // HSDP2\n  int y;\n  // END SOLUTION\n", 1,
+                          ["wrapped by the formatter"], "a wrapped BEGIN line going on with an acronym")
 
 
 if __name__ == "__main__":

@@ -271,32 +271,49 @@ TEST_P(HsdpDivide, TheGradientIsTheMeanOverAllNRanks) {
       test_group());
 }
 
-// Divided once, by N's factors, not once per group, bit for bit. Every rank of a 2x3 mesh reduces the same rows X,
-// so every sum adds equal terms and its rounding does not depend on the order the collectives add in: the mean must
-// be exactly (((X/pre + X/pre) + X/pre) * 2) / post, pre * post = 6, computed here in f32 as the wire carries it. A
-// reducer that divides by S = 3 in the row and by R = 2 in the column rounds elsewhere: the test checks that the
-// two differ on X before it blames anyone, and names the elements that differ.
+// Divided once, by N's factors, not once per group, bit for bit. On a 2x3 mesh every rank reduces its own rows of
+// small integers, so every sum is exact whatever order the collectives add in, and the mean has one rounding:
+// (T / pre) / post with T the sum over the 6 ranks and pre * post = 6. The reducers that divide per group round
+// more than once: by S after the reduce-scatter and by R after the all-reduce (the variant Note [One divide over
+// two groups] warns of), by S before the reduce-scatter, or stage 03's hook factors applied in each group. The
+// test first checks that its rows tell each of them apart from the single division, then names how many elements
+// differ.
 TEST(HsdpDivide, OnceByTheFactorsOfNNotOncePerGroupBitForBit) {
   constexpr int R = 2, S = 3, kRow = 4096;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(17);
-  const at::Tensor x = at::randn({kRow}, gen, at::TensorOptions().dtype(at::kFloat));
-  const double pre = comm_hooks::gradient_predivide_factor(R * S), post = (R * S) / pre;
-  auto sum3 = [](const at::Tensor& y) { return (y + y) + y; };
-  const at::Tensor once = (sum3(x / pre) * 2) / post;  // x2: a sum of two equal terms, exact
-  const at::Tensor per_group = (sum3(x / S) * 2) / R;
-  ASSERT_FALSE(at::equal(once, per_group)) << "X does not tell the two divisions apart; pick another seed";
+  std::vector<at::Tensor> x;  // rank r's gradient row: integers in about [-256, 256], exact in every sum
+  for (int r = 0; r < R * S; ++r)
+    x.push_back(at::round(at::randn({kRow}, gen, at::TensorOptions().dtype(at::kFloat)) * 64));
+  auto pre_of = [](int n) { return comm_hooks::gradient_predivide_factor(n); };
+  const double pre = pre_of(R * S), post = (R * S) / pre;
+  std::vector<at::Tensor> row_sum;  // per row of the mesh: the exact sum of its S ranks
+  for (int i = 0; i < R; ++i) row_sum.push_back(x[i * S] + x[i * S + 1] + x[i * S + 2]);
+  const at::Tensor total = row_sum[0] + row_sum[1];
+  const at::Tensor once = (total / pre) / post;
+  std::map<std::string, at::Tensor> per_group{
+      {"by S after the reduce-scatter, by R after the all-reduce", (row_sum[0] / S + row_sum[1] / S) / R},
+      {"by S before the reduce-scatter, by R after the all-reduce",
+       ((x[0] / S + x[1] / S + x[2] / S) + (x[3] / S + x[4] / S + x[5] / S)) / R},
+      {"stage 03's factors in each group", (((row_sum[0] / pre_of(S)) / (S / pre_of(S))) / pre_of(R) +
+                                            ((row_sum[1] / pre_of(S)) / (S / pre_of(S))) / pre_of(R)) /
+                                               (R / pre_of(R))}};
+  for (const auto& [name, variant] : per_group)
+    ASSERT_FALSE(at::equal(once, variant)) << "the rows do not tell one division from dividing " << name;
   run_world(
       R * S,
       [&](World& world) {
         Mesh mesh(world, R, S);
         HsdpReducer reducer(mesh.shard_group(), mesh.replicate_group());
-        at::Tensor input = x.repeat({S}), output = at::empty({kRow});
+        at::Tensor input = x[world.rank()].repeat({S}), output = at::empty({kRow});
         reducer(input, output).wait();
         const int64_t wrong = output.ne(once).sum().item<int64_t>();
+        std::string like;
+        for (const auto& [name, variant] : per_group)
+          if (at::equal(output, variant))
+            like += (like.empty() ? "; it is exactly dividing " : ", and dividing ") + name;
         EXPECT_EQ(wrong, 0) << "rank " << world.rank() << ": " << wrong << " of " << kRow
                             << " elements differ from one division by N's factors (pre " << pre << ", post " << post
-                            << "); divided per group they would be "
-                            << (at::equal(output, per_group) ? "exactly these" : "something else again");
+                            << ")" << like;
       },
       test_group());
 }

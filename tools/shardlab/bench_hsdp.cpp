@@ -128,9 +128,13 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
 
   FsdpBenchResult out;
   std::ostringstream head;
+  const std::string host_blas = blas_in(""), peer_blas = peer_ok ? blas_in(b.torch_root) : "";
   head << "model tiny_gpt, " << o.train.layers << " blocks of width " << o.train.dim << " (" << params
-       << " parameters), 4 processes on " << blas_in("") << " (Gloo on CPU), micro-batch " << o.train.global_batch / 4
-       << " per rank, " << o.train.steps << " steps, sgd; each figure is the best median "
+       << " parameters), 4 processes on " << host_blas
+       << (peer_ok ? ", PyTorch FSDP2 on " + peer_blas : std::string(""))
+       << (peer_ok && host_blas != peer_blas ? " (NOT the same BLAS: the ratios compare unlike compute)" : "")
+       << " (Gloo on CPU), micro-batch " << o.train.global_batch / 4 << " per rank, " << o.train.steps
+       << " steps, sgd; each figure is the best median "
        << "step time of " << b.repeat << " interleaved rounds";
   out.heading = head.str();
   out.markdown = md.str();
@@ -145,8 +149,8 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
          << "\", \"median_step_ms\": " << peers[i].step_ms << ", \"payload_bytes_per_step\": " << peers[i].payload
          << ", \"torch_version\": \"" << peers[i].version << "\"}";
   std::string problem = peer_why;
-  std::replace(problem.begin(), problem.end(), '"', '\'');
-  std::replace(problem.begin(), problem.end(), '\\', '/');
+  for (char& ch : problem)  // a JSON string: no quote, backslash or control character (a rank's last line)
+    if (ch == '"' || ch == '\\' || static_cast<unsigned char>(ch) < 0x20) ch = ch == '"' ? '\'' : ' ';
   json << "], \"peer_problem\": \"" << problem << "\", \"runs\": " << reports_json(reports, true) << "}";
   out.json = json.str();
   return out;
