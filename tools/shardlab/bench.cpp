@@ -199,13 +199,13 @@ TorchResult run_torch(const BenchOptions& b) {
   return t;
 }
 
+}  // namespace
+
 std::string fmt(double v, int precision) {
   std::ostringstream s;
   s << std::fixed << std::setprecision(precision) << v;
   return s.str();
 }
-
-}  // namespace
 
 namespace {
 void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::string* md_out, std::string* json_out);

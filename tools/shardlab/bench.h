@@ -97,6 +97,9 @@ struct PeerRun {
 /// `result` (a path on this machine) that rank 0 writes.
 PeerRun run_peer_script(const RunOptions& options, const std::vector<std::string>& argv, const std::string& result);
 
+/// `v` in fixed notation with `precision` digits after the point, as the bench's tables print figures.
+std::string fmt(double v, int precision);
+
 /// The number after `"key":` in a JSON text (NaN when absent). Enough for the peers' flat result files.
 double json_number(const std::string& text, const std::string& key);
 

@@ -29,12 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string fmt(double v, int precision) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(precision) << v;
-  return s.str();
-}
-
 // `path` as seen inside `root` ("" = this machine), symlinks followed inside the root.
 fs::path resolve_in(const std::string& root, fs::path path) {
   for (int hops = 0; hops < 16; ++hops) {

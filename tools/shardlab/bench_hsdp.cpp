@@ -21,12 +21,6 @@
 namespace shardlab::cli {
 namespace {
 
-std::string fixed(double v, int precision) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(precision) << v;
-  return s.str();
-}
-
 // A group's measured bytes per step and its theory, "measured (theory)", or "-" when the run has no such group.
 std::string group_bytes(const RunReport& r, const std::string& role) {
   const auto g = r.groups.find(role);
@@ -97,32 +91,32 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   for (const auto& row : rows) {
     const RunReport& r = row.report;
     const RunReport& base = row.micro_batches == 1 ? hsdp : rows[4].report;  // against hsdp at the same k
-    md << "| " << row.label << " | " << fixed(r.step_time_ms, 2) << " | "
-       << fixed(r.step_time_ms / std::max(1e-9, base.step_time_ms), 2) << "x | " << fixed(r.exposed_comm_ms_per_step, 2)
+    md << "| " << row.label << " | " << fmt(r.step_time_ms, 2) << " | "
+       << fmt(r.step_time_ms / std::max(1e-9, base.step_time_ms), 2) << "x | " << fmt(r.exposed_comm_ms_per_step, 2)
        << " | " << r.collectives_per_step << " | " << group_bytes(r, "shard") << " | " << group_bytes(r, "replicate")
        << " | " << group_bytes(r, "world") << " | " << static_cast<int64_t>(r.peak_grad_bytes) << " | "
-       << fixed(r.peak_grad_bytes / std::max(1.0, r.peak_grad_bytes_theory), 2) << " | " << r.max_param_diff << " |\n";
+       << fmt(r.peak_grad_bytes / std::max(1.0, r.peak_grad_bytes_theory), 2) << " | " << r.max_param_diff << " |\n";
   }
   for (int i = 0; i < 2 && peer_ok; ++i)
     md << "| pytorch fsdp2 " << (i == 0 ? "hsdp 2x2" : "fsdp over 4") << " (" << peers[i].version << ") | "
-       << fixed(peers[i].step_ms, 2) << " | " << fixed(peers[i].step_ms / std::max(1e-9, hsdp.step_time_ms), 2)
+       << fmt(peers[i].step_ms, 2) << " | " << fmt(peers[i].step_ms / std::max(1e-9, hsdp.step_time_ms), 2)
        << "x | | | " << static_cast<int64_t>(peers[i].payload) << " payload in all | | | | | |\n";
 
   std::ostringstream targets;
-  targets << "- hsdp 2x2 step time / fsdp_prefetch over 4 = " << fixed(hsdp.step_time_ms / fsdp.step_time_ms, 2)
-          << ", / bucketed_ddp = " << fixed(hsdp.step_time_ms / ddp.step_time_ms, 2)
+  targets << "- hsdp 2x2 step time / fsdp_prefetch over 4 = " << fmt(hsdp.step_time_ms / fsdp.step_time_ms, 2)
+          << ", / bucketed_ddp = " << fmt(hsdp.step_time_ms / ddp.step_time_ms, 2)
           << " (HSDP gathers and reduce-scatters over 2 ranks and all-reduces over 2; FSDP does all of it over 4. "
              "On one machine no group is slower than another: the cross-machine saving cannot show here)\n";
   const RunReport& no_sync = rows[4].report;
   const RunReport& deferred = rows[5].report;
   targets << "- " << k << " micro-batches, hsdp deferred / no_sync: step time "
-          << fixed(deferred.step_time_ms / no_sync.step_time_ms, 2) << "x, gradient peak "
-          << fixed(deferred.peak_grad_bytes / std::max(1.0, no_sync.peak_grad_bytes), 2) << "x, replicate-group bytes "
+          << fmt(deferred.step_time_ms / no_sync.step_time_ms, 2) << "x, gradient peak "
+          << fmt(deferred.peak_grad_bytes / std::max(1.0, no_sync.peak_grad_bytes), 2) << "x, replicate-group bytes "
           << group_bytes(deferred, "replicate") << " against " << group_bytes(no_sync, "replicate")
           << " (one all-reduce per unit per step either way; " << k << "x that without either)\n";
   if (peer_ok)
-    targets << "- hsdp 2x2 step time / PyTorch FSDP2 HSDP 2x2 = " << fixed(hsdp.step_time_ms / peers[0].step_ms, 2)
-            << "; PyTorch FSDP2 HSDP / its FSDP over 4 = " << fixed(peers[0].step_ms / peers[1].step_ms, 2) << "\n";
+    targets << "- hsdp 2x2 step time / PyTorch FSDP2 HSDP 2x2 = " << fmt(hsdp.step_time_ms / peers[0].step_ms, 2)
+            << "; PyTorch FSDP2 HSDP / its FSDP over 4 = " << fmt(peers[0].step_ms / peers[1].step_ms, 2) << "\n";
   else
     targets << "- PyTorch FSDP2's HSDP: no figure, " << peer_why << "\n";
 

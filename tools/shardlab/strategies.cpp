@@ -102,7 +102,7 @@ MemoryFigures step_memory(const fsdp::FullyShardedModel& w, const Model&, int mi
 
 // How the micro-batches of a step before the last keep their gradients local: null = Wrapper::no_sync(); else
 // called with false before each of them and with true before the last (HSDP's deferred all-reduce).
-using Accumulation = std::function<void(bool last)>;
+using MicroBatchHook = std::function<void(bool last)>;
 
 // Runs micro-batches and the optimizer; `Wrapper` decides how gradients are synchronized. Wrapper::no_sync() must
 // return an RAII scope (stage 01 and later) — the single-device wrapper returns a dummy. With an `overlapped`
@@ -114,7 +114,7 @@ class WrappedRunner : public StepRunner {
  public:
   WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<Wrapper> wrapper,
                 std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr,
-                std::shared_ptr<void> keep = nullptr, Accumulation accumulation = nullptr)
+                std::shared_ptr<void> keep = nullptr, MicroBatchHook accumulation = nullptr)
       : keep_(std::move(keep)),
         accumulation_(std::move(accumulation)),
         config_(c),
@@ -182,7 +182,7 @@ class WrappedRunner : public StepRunner {
 
  private:
   std::shared_ptr<void> keep_;  // first: destroyed after the wrapper
-  Accumulation accumulation_;
+  MicroBatchHook accumulation_;
   TrainConfig config_;
   std::shared_ptr<Model> model_;
   std::unique_ptr<Wrapper> wrapper_;
@@ -476,7 +476,7 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
   auto model = model_on_device(c);
   auto wrapper = hsdp::fully_shard_hybrid(model, *mesh, fsdp_options(s, c.model));
   prefetch_as_told(*wrapper, s);
-  Accumulation accumulation;
+  MicroBatchHook accumulation;
   if (s.defer_all_reduce) {
     fsdp::FullyShardedModel* w = wrapper.get();
     accumulation = [w](bool last) { hsdp::set_requires_all_reduce(*w, last); };
