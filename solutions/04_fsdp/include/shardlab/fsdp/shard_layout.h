@@ -37,7 +37,7 @@ struct ShardSpec {
   /// Real (unpadded) rows rank `rank` owns: its torch.chunk chunk; 0 for ranks past the last chunk.
   /// @pre 0 <= rank < world.
   int64_t rows_of(int rank) const;
-  /// First row of the full parameter that rank `rank` owns (rank * padded_rows, clamped to d0).
+  /// First row of the full parameter that rank `rank` owns, where its chunk starts (d0 for an empty chunk).
   int64_t first_row_of(int rank) const;
   /// Elements of every rank's padded shard: padded_rows * row_numel.
   int64_t padded_numel() const { return padded_rows * row_numel; }
