@@ -33,9 +33,9 @@
 
 namespace shardlab::comm_hooks {
 
-/// The pre-divide factor for `world_size` ranks (FSDP's rule): start at 1 and double while
-/// `world_size % f == 0 && world_size / f > f`. It is roughly sqrt(world_size), a power of two.
-/// Examples: 1 -> 1, 2 -> 2, 3 -> 2, 4 -> 2, 8 -> 4, 16 -> 4.
+/// The pre-divide factor for `world_size` ranks (FSDP's rule, PyTorch FSDP1's `_get_gradient_predivide_factor`):
+/// a power of two of roughly sqrt(world_size), grown by doubling from 1.
+/// Examples: 1 -> 1, 2 -> 2, 3 -> 2, 4 -> 2, 6 -> 4, 8 -> 4, 9 -> 2, 16 -> 4.
 /// @throws std::invalid_argument when world_size < 1.
 double gradient_predivide_factor(int world_size);
 
