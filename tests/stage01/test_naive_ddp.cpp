@@ -7,6 +7,7 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include "support/device.h"
+#include "support/failing_backend.h"
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
@@ -15,7 +16,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <iostream>
+#include <mutex>
 #include <set>
 
 namespace shardlab::naive_ddp {
@@ -305,6 +309,138 @@ TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) 
   EXPECT_EQ(launched[0], reduced) << "one all-reduce per gradient accumulated before the throw";
   EXPECT_GT(reduced, 0u);
   EXPECT_LT(reduced, names.size()) << "the throw came before the first layer's weight";
+}
+
+// Invariant 2, "never wait inside on_gradient_ready". Rank 1 starts its backward only once rank 0's backward has
+// accumulated every gradient and returned from every hook. A hook that waited for its own all-reduce would wait
+// for rank 1, which waits for that hook: rank 1 gives up after kPatience and goes on, so the test ends (the
+// patience bounds only the failing case; a correct hook lets rank 1 go at once).
+TEST(NaiveDDP, EveryHookReturnsBeforeItsAllReduceCanComplete) {
+  constexpr auto kPatience = std::chrono::seconds(20);
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t total = 0, ready = 0, ready_when_rank1_gave_up = 0;
+  bool all_ready = false, gave_up = false;
+  std::vector<std::vector<at::Tensor>> own(2), got(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 7);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 7);
+        const auto params = trainable_parameters(*model);
+        const Batch batch = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+        own[comm.rank()] = test_support::local_gradients(*model, batch, params);
+        if (comm.rank() == 0) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            total = params.size();
+          }
+          // Registered after NaiveDDP's: on each accumulator they run after its hook has returned.
+          std::vector<std::shared_ptr<torch::autograd::Node>> hooks;
+          for (const auto& p : params)
+            hooks.push_back(compat::add_post_accumulate_hook(p, [&] {
+              std::lock_guard<std::mutex> lock(mu);
+              if (++ready == total) {
+                all_ready = true;
+                cv.notify_all();
+              }
+            }));
+          ddp.loss(batch).backward();
+        } else {
+          std::unique_lock<std::mutex> lock(mu);
+          if (!cv.wait_for(lock, kPatience, [&] { return all_ready; })) {
+            gave_up = true;
+            ready_when_rank1_gave_up = ready;
+          }
+          lock.unlock();
+          ddp.loss(batch).backward();
+        }
+        for (const auto& p : params) got[comm.rank()].push_back(p.grad().clone());
+      },
+      test_group());
+  std::cout << "rank 0 returned from " << (gave_up ? ready_when_rank1_gave_up : total) << " of " << total
+            << " hooks before rank 1 started its backward\n";
+  EXPECT_FALSE(gave_up) << "rank 0's backward got through " << ready_when_rank1_gave_up << " of " << total
+                        << " gradient hooks in " << kPatience.count()
+                        << " s while rank 1 had not started its backward: a hook waits for its all-reduce "
+                           "(invariant 2: never wait inside on_gradient_ready; only wait_pending waits)";
+  for (int r = 0; r < 2; ++r)
+    for (size_t i = 0; i < got[r].size(); ++i) {
+      const at::Tensor want = test_support::mean_of_two(own[0][i], own[1][i]);
+      EXPECT_TRUE(at::equal(got[r][i], want)) << "rank " << r << " parameter " << i << ": max diff from the average "
+                                              << test_support::max_diff(got[r][i], want);
+    }
+}
+
+// Invariant 4, "nothing stays pending, even when one average failed". The second all-reduce of the backward fails
+// on both ranks (test_support::FailingBackend: never issued, so the others stay paired). The error comes out of
+// backward(); every other gradient was still waited for, so it holds the exact average (on Gloo the division by the
+// world size happens at wait(): a gradient whose all-reduce nobody waited for holds the sum, or a value in flight);
+// and the next step trains normally, so nothing of the failed one was left pending.
+TEST(NaiveDDP, AFailedAverageIsAnErrorFromBackwardAndEveryOtherAverageIsStillWaitedFor) {
+  GroupOptions options = test_group();
+  options.wrap_backend = [](c10::intrusive_ptr<compat::Backend> inner, int) {
+    return c10::make_intrusive<test_support::FailingBackend>(std::move(inner), std::set<int>{2});
+  };
+  std::vector<std::string> errors(2), next_errors(2);
+  std::vector<std::vector<at::Tensor>> own(2), own_next(2), got(2), got_next(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 7);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 7);
+        const auto params = trainable_parameters(*model);
+        const int r = comm.rank();
+        const Batch batch = rank_slice(data->global_batch(0, 8), r, 2);
+        const Batch next = rank_slice(data->global_batch(1, 8), r, 2);
+        own[r] = test_support::local_gradients(*model, batch, params);
+        own_next[r] = test_support::local_gradients(*model, next, params);
+        try {
+          ddp.loss(batch).backward();
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+        for (const auto& p : params) got[r].push_back(p.grad().clone());
+        for (const auto& p : params) p.mutable_grad().zero_();
+        try {
+          ddp.loss(next).backward();
+          for (const auto& p : params) got_next[r].push_back(p.grad().clone());
+        } catch (const std::exception& e) {
+          next_errors[r] = e.what();
+        }
+      },
+      options);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find(test_support::FailingBackend::kMessage), std::string::npos)
+        << "rank " << r << ": backward must throw the failed all-reduce's error; it threw '" << errors[r] << "'";
+    size_t averaged = 0;
+    std::string off;
+    for (size_t i = 0; i < got[r].size(); ++i) {
+      const at::Tensor want = test_support::mean_of_two(own[0][i], own[1][i]);
+      if (at::equal(got[r][i], want)) {
+        ++averaged;
+      } else {
+        off += " parameter " + std::to_string(i) + " (max diff from the average " +
+               std::to_string(test_support::max_diff(got[r][i], want)) + ", from the sum " +
+               std::to_string(test_support::max_diff(got[r][i], own[0][i] + own[1][i])) + ")";
+      }
+    }
+    std::cout << "rank " << r << ": " << averaged << " of " << got[r].size()
+              << " gradients hold the average after the failed backward; not:" << off << "\n";
+    EXPECT_EQ(averaged + 1, got[r].size())
+        << "rank " << r << ": every gradient but the failed one must hold the average, so every other all-reduce "
+        << "was waited for after the failure (invariant 4: wait for all, then rethrow the first error); not:" << off;
+    EXPECT_EQ(next_errors[r], "") << "rank " << r << ": the step after the failed one threw: the failed backward "
+                                  << "left work pending (invariant 4)";
+    for (size_t i = 0; i < got_next[r].size(); ++i) {
+      const at::Tensor want = test_support::mean_of_two(own_next[0][i], own_next[1][i]);
+      EXPECT_TRUE(at::equal(got_next[r][i], want))
+          << "rank " << r << " parameter " << i << ": the next step's gradient differs from the average by "
+          << test_support::max_diff(got_next[r][i], want);
+    }
+  }
 }
 
 }  // namespace

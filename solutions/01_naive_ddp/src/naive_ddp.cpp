@@ -32,11 +32,11 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
 void broadcast_state(Model& module, Communicator& comm) {
   // All replicas must start identical: every parameter (frozen ones too) and every buffer take rank 0's values.
   // BEGIN SOLUTION(01): broadcast every parameter and buffer from rank 0
-  // Launch every broadcast, then wait for all of them (they overlap).
+  // Launch every broadcast, then wait for all of them (they overlap), all of them even after a failure.
   std::vector<Handle> handles;
   for (const auto& p : module.parameters(/*recurse=*/true)) handles.push_back(comm.broadcast(p.detach(), 0));
   for (const auto& b : module.buffers(/*recurse=*/true)) handles.push_back(comm.broadcast(b.detach(), 0));
-  for (auto& h : handles) h.wait();
+  if (std::exception_ptr error = wait_all(handles)) std::rethrow_exception(error);
   // END SOLUTION
 }
 
