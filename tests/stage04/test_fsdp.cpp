@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <iostream>
@@ -783,7 +784,18 @@ TEST(FullyShardedModel, AUnitWithAFrozenParameterStaysGatheredUntilItsFrozenNode
         auto opt = make_optimizer("sgd", fsdp.parameters(), 0.1);
         for (int step = 0; step < steps; ++step) {
           opt->zero_grad();
-          fsdp.loss(rank_slice(data->global_batch(step, batch), comm.rank(), world)).backward();
+          try {
+            fsdp.loss(rank_slice(data->global_batch(step, batch), comm.rank(), world)).backward();
+          } catch (const std::exception& e) {
+            ADD_FAILURE() << "rank " << comm.rank() << " step " << step << ": backward threw (" << e.what()
+                          << "); the frozen weight held " << model->mix->least_bytes_at_frozen_node
+                          << " bytes when its backward node ran: the unit was freed before its backward was done "
+                             "(Note [When a unit may be freed in backward])";
+            return;
+          }
+          EXPECT_EQ(fsdp.units()[0]->state(), UnitState::kSharded)
+              << "rank " << comm.rank() << " step " << step << ": the unit is " << to_string(fsdp.units()[0]->state())
+              << " after backward; a unit kept gathered for its frozen parameter is freed at the end of backward";
           opt->step();
         }
         const int64_t least = model->mix->least_bytes_at_frozen_node;
@@ -794,10 +806,211 @@ TEST(FullyShardedModel, AUnitWithAFrozenParameterStaysGatheredUntilItsFrozenNode
       },
       test_group());
   for (int r = 0; r < world; ++r) {
+    if (finals[r].empty()) continue;  // its backward failed, reported above
     const double diff = max_abs_diff(finals[r], on_cpu(reference->parameters()));
     std::cout << "rank " << r << ": max |param - one device| with a frozen parameter in the unit = " << diff << "\n";
     EXPECT_TRUE(all_close(finals[r], on_cpu(reference->parameters()), kRtol, kAtol)) << "max diff " << diff;
   }
+}
+
+// A unit that notes how many bytes its weight holds when its forward runs, and when its backward reaches it (a hook
+// on an inner tensor runs after FSDP's hook on the unit's output, just before the unit's own backward nodes). Its
+// input needs no gradient, so its backward never reads the weight: a unit left sharded shows here as 0 bytes, not as
+// a read of freed memory.
+struct Probe : torch::nn::Module {
+  Probe() : fc(register_module("fc", torch::nn::Linear(6, 4))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    forward_bytes = storage_bytes(fc->weight);
+    if (forward_bytes == 0)
+      throw std::runtime_error("the unit's forward found its weight at 0 bytes: it must be gathered before it runs");
+    at::Tensor inner = fc->forward(x);
+    if (inner.requires_grad()) {
+      const at::Tensor w = fc->weight;
+      std::atomic<int64_t>* seen = &backward_bytes;
+      inner.register_hook([w, seen](const at::Tensor&) { *seen = storage_bytes(w); });
+    }
+    return at::tanh(inner);
+  }
+  torch::nn::Linear fc;
+  int64_t forward_bytes = -1;
+  std::atomic<int64_t> backward_bytes{-1};
+};
+
+TEST(FullyShardedModel, AUnitIsGatheredWhileItsForwardAndItsBackwardRun) {
+  struct OneUnit : Model {
+    OneUnit() {
+      probe = register_unit("probe", std::make_shared<Probe>());
+      init_parameters(*this, 9);
+    }
+    at::Tensor loss(const Batch& b) override { return probe(b.input).pow(2).mean(); }
+    UnitRef<Probe> probe;
+  };
+  Batch global;
+  global.input = at::linspace(-1.0, 1.0, 24).reshape({4, 6});
+  global.target = at::zeros({4}, at::kLong);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<OneUnit>();
+        FullyShardedModel fsdp(model, comm);  // reshard after forward: gathered again for its backward
+        ASSERT_EQ(fsdp.root(), nullptr);
+        const FsdpUnit& unit = *fsdp.units()[0];
+        for (int step = 0; step < 2; ++step) {
+          try {
+            at::Tensor loss = fsdp.loss(rank_slice(global, comm.rank(), comm.size()));
+            EXPECT_EQ(model->probe->forward_bytes, unit.gathered_capacity_bytes()) << "step " << step;
+            loss.backward();
+          } catch (const std::exception& e) {
+            ADD_FAILURE() << "rank " << comm.rank() << " step " << step << ": " << e.what();
+            return;
+          }
+          EXPECT_EQ(model->probe->backward_bytes.load(), unit.gathered_capacity_bytes())
+              << "rank " << comm.rank() << " step " << step << ": the unit's weight held "
+              << model->probe->backward_bytes.load() << " bytes when its backward ran; expected "
+              << unit.gathered_capacity_bytes()
+              << ": a unit freed after its forward is gathered again before its backward (pre_backward, from a "
+                 "hook on the unit's output)";
+          EXPECT_EQ(unit.state(), UnitState::kSharded) << "and freed after it";
+          for (const auto& p : fsdp.parameters()) p.mutable_grad().zero_();
+        }
+      },
+      test_group());
+}
+
+// Three units in a chain; the middle one has a parameter the loss reads only when `use_extra` is set. Without it the
+// middle unit's gradients never all come: the end of backward settles it.
+struct MaybeUsed : torch::nn::Module {
+  MaybeUsed() : fc(register_module("fc", torch::nn::Linear(6, 6))) {
+    extra = register_parameter("extra", at::zeros({6}));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor y = fc->forward(x);
+    return use_extra ? y + extra : y;
+  }
+  torch::nn::Linear fc;
+  at::Tensor extra;
+  bool use_extra = true;
+};
+
+struct Chain : Model {
+  Chain() {
+    first = register_unit("first", torch::nn::Linear(4, 6).ptr());
+    middle = register_unit("middle", std::make_shared<MaybeUsed>());
+    last = register_unit("last", torch::nn::Linear(6, 3).ptr());
+    init_parameters(*this, 11);
+  }
+  at::Tensor loss(const Batch& b) override { return last(at::tanh(middle(at::tanh(first(b.input))))).pow(2).mean(); }
+  UnitRef<torch::nn::LinearImpl> first;
+  UnitRef<MaybeUsed> middle;
+  UnitRef<torch::nn::LinearImpl> last;
+};
+
+Batch chain_batch() {
+  Batch b;
+  b.input = at::linspace(-1.0, 1.0, 16).reshape({4, 4});
+  b.target = at::zeros({4}, at::kLong);
+  return b;
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return "[" + out + "]";
+}
+
+// 'first' is complete before 'middle', whose 'extra' never gets a gradient; a rank that launched whatever is
+// complete would send first's reduce-scatter where another rank (where 'extra' was used) sends middle's.
+TEST(FullyShardedModel, ReduceScattersLaunchInReverseForwardOrderEvenWhenAUnitIsSettledAtTheEnd) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<Chain>();
+        model->middle->use_extra = false;
+        Options options;
+        options.allow_unused_parameters = true;
+        FullyShardedModel fsdp(model, comm, options);
+        ASSERT_EQ(fsdp.units().size(), 3u) << "three units, no root";
+        std::vector<std::string> launched;
+        fsdp.set_observer([&](const UnitEvent& e) {
+          if (e.kind == UnitEventKind::kReduceLaunched) launched.push_back(fsdp.units()[e.unit]->name());
+        });
+        const size_t mark = comm.recorder().size();
+        fsdp.loss(rank_slice(chain_batch(), comm.rank(), comm.size())).backward();
+        fsdp.set_observer({});
+        const std::vector<std::string> expected{"last", "middle", "first"};
+        EXPECT_EQ(launched, expected)
+            << "rank " << comm.rank() << ": reduce-scatters are launched in reverse forward order " << joined(expected)
+            << ", a complete unit waiting for the units before it (Note [Reduce-scatters in one "
+            << "order on every rank]); got " << joined(launched);
+        EXPECT_EQ(split(comm.recorder().since(mark)).reduce_scatters.size(), 3u) << "one reduce-scatter per unit";
+      },
+      test_group());
+}
+
+TEST(FullyShardedModel, AtMostOneReduceScatterIsInFlight) {
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.global_batch = 4;
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model(c, at::kCPU);
+        FullyShardedModel fsdp(model, comm);
+        auto data = make_dataset(c.model, c.seed);
+        std::vector<std::string> in_flight;  // units whose reduction was launched and has not landed
+        size_t launches = 0;
+        fsdp.set_observer([&](const UnitEvent& e) {
+          const std::string& name = fsdp.units()[e.unit]->name();
+          if (e.kind == UnitEventKind::kReduceLaunched) {
+            EXPECT_TRUE(in_flight.empty()) << "rank " << comm.rank() << ": '" << name
+                                           << "' launched its reduce-scatter while " << joined(in_flight)
+                                           << " still in flight (launched, not waited for); wait for the "
+                                              "previous one first (Note [One reduce-scatter in flight])";
+            ++launches;
+          }
+          if (e.kind == UnitEventKind::kReduceLanded)
+            in_flight.erase(std::remove(in_flight.begin(), in_flight.end(), name), in_flight.end());
+          if (e.kind == UnitEventKind::kReduceLaunched) in_flight.push_back(name);
+        });
+        fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();
+        fsdp.set_observer({});
+        EXPECT_EQ(launches, fsdp.units().size());
+        EXPECT_TRUE(in_flight.empty()) << "every reduction waited for by the end of backward: " << joined(in_flight);
+      },
+      test_group());
+}
+
+// Inside no_sync with a reduce dtype wider than the param dtype, a unit's gradients move into reduce-dtype
+// accumulators (stash_gradients) once the unit is done, and those of a unit whose gradients never all came at the
+// end of backward: micro-batches then add up in float, not in bfloat16.
+TEST(FullyShardedModel, InsideNoSyncEveryUnitsGradientsAreStashedInTheReduceDtype) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<Chain>();
+        model->middle->use_extra = false;
+        Options options;
+        options.allow_unused_parameters = true;
+        options.mixed_precision.param_dtype = at::kBFloat16;
+        options.mixed_precision.reduce_dtype = at::kFloat;
+        FullyShardedModel fsdp(model, comm, options);
+        const Batch batch = rank_slice(chain_batch(), comm.rank(), comm.size());
+        {
+          auto scope = fsdp.no_sync();
+          fsdp.loss(batch).backward();
+        }
+        for (const auto& unit : fsdp.units())
+          for (const auto& fp : unit->params())
+            EXPECT_FALSE(fp.param.grad().defined())
+                << "rank " << comm.rank() << ", " << fp.name << ": inside no_sync (param dtype bfloat16, reduce dtype "
+                << "float) its unsharded gradient is still a " << c10::toString(fp.param.grad().scalar_type())
+                << " .grad(); expected it moved into a float accumulator (stash_gradients) "
+                << (unit->name() == "middle" ? "at the end of backward ('extra' got no gradient)"
+                                             : "when its unit's gradients were complete");
+        fsdp.loss(batch).backward();  // the synchronized micro-batch reduces what was stashed
+        for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
+      },
+      test_group());
 }
 
 TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFixItNamesTrains) {

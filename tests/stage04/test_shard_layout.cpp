@@ -73,5 +73,42 @@ TEST(ShardLayout, OneDimensionalAndWiderTensorsShardOnDimZero) {
   EXPECT_EQ(cube.first_row_of(3), 3);
 }
 
+// Two promises of the header that FSDP's own paths never exercise (copy-in, copy-out and the reduce-scatter layout
+// skip empty chunks, and copy in within one dtype): an empty chunk starts at d0, and copy_in_shard casts.
+TEST(ShardLayout, EmptyChunksStartAtTheEndAndCopyInCastsIntoTheShardsDtype) {
+  // (d0, S) with ranks past the last chunk, whose rank * padded_rows runs past d0: rows and first rows by hand.
+  struct Empty {
+    int64_t d0;
+    int world;
+    std::vector<int64_t> rows, first;
+  };
+  for (const Empty& c : std::vector<Empty>{
+           {5, 4, {2, 2, 1, 0}, {0, 2, 4, 5}}, {2, 4, {1, 1, 0, 0}, {0, 1, 2, 2}}, {1, 3, {1, 0, 0}, {0, 1, 1}}}) {
+    const ShardSpec spec = shard_spec({c.d0, 2}, c.world);
+    for (int r = 0; r < c.world; ++r) {
+      EXPECT_EQ(spec.rows_of(r), c.rows[r]) << "d0 " << c.d0 << " S " << c.world << " rank " << r
+                                            << ": rows_of is what is left of d0 after the earlier chunks, clamped "
+                                               "to [0, padded_rows]: a rank past the last chunk has 0 rows";
+      EXPECT_EQ(spec.first_row_of(r), c.first[r])
+          << "d0 " << c.d0 << " S " << c.world << " rank " << r
+          << ": first_row_of is rank * padded_rows clamped to d0 (an empty chunk starts at the end)";
+    }
+  }
+  // Values are cast: double rows into a float shard, float rows (integers) into a long shard.
+  const at::Tensor full = at::arange(10, at::kDouble).view({5, 2}).mul_(0.1);
+  const ShardSpec spec = shard_spec(full.sizes(), 2);  // rows [3, 2], padded 3
+  at::Tensor shard = at::full({spec.padded_numel()}, -7.0f);
+  copy_in_shard(spec, full, 1, shard);
+  const at::Tensor want = at::cat({full.narrow(0, 3, 2).to(at::kFloat), at::zeros({1, 2})}).view({-1});
+  EXPECT_TRUE(at::equal(shard, want)) << "rank 1's rows of a double tensor in a float shard: expected " << want
+                                      << ", got " << shard;
+  const at::Tensor counts = at::arange(10, at::kFloat).view({5, 2}).mul_(3);
+  at::Tensor long_shard = at::full({spec.padded_numel()}, int64_t{-7}, at::kLong);
+  copy_in_shard(spec, counts, 0, long_shard);
+  EXPECT_TRUE(at::equal(long_shard, counts.narrow(0, 0, 3).to(at::kLong).view({-1})))
+      << "rank 0's rows of a float tensor in a long shard: expected " << counts.narrow(0, 0, 3).view({-1}) << ", got "
+      << long_shard;
+}
+
 }  // namespace
 }  // namespace shardlab::fsdp
