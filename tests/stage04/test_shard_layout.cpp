@@ -82,16 +82,18 @@ TEST(ShardLayout, EmptyChunksStartAtTheEndAndCopyInCastsIntoTheShardsDtype) {
     int world;
     std::vector<int64_t> rows, first;
   };
-  for (const Empty& c : std::vector<Empty>{
-           {5, 4, {2, 2, 1, 0}, {0, 2, 4, 5}}, {2, 4, {1, 1, 0, 0}, {0, 1, 2, 2}}, {1, 3, {1, 0, 0}, {0, 1, 1}}}) {
+  for (const Empty& c : std::vector<Empty>{{5, 4, {2, 2, 1, 0}, {0, 2, 4, 5}},
+                                           {6, 4, {2, 2, 2, 0}, {0, 2, 4, 6}},
+                                           {2, 4, {1, 1, 0, 0}, {0, 1, 2, 2}},
+                                           {1, 3, {1, 0, 0}, {0, 1, 1}}}) {
     const ShardSpec spec = shard_spec({c.d0, 2}, c.world);
     for (int r = 0; r < c.world; ++r) {
       EXPECT_EQ(spec.rows_of(r), c.rows[r]) << "d0 " << c.d0 << " S " << c.world << " rank " << r
-                                            << ": rows_of is what is left of d0 after the earlier chunks, clamped "
-                                               "to [0, padded_rows]: a rank past the last chunk has 0 rows";
+                                            << ": torch.chunk's rows (6 rows over 4 ranks are three chunks of 2 "
+                                               "and an empty one, not 2, 2, 1, 1)";
       EXPECT_EQ(spec.first_row_of(r), c.first[r])
           << "d0 " << c.d0 << " S " << c.world << " rank " << r
-          << ": first_row_of is rank * padded_rows clamped to d0 (an empty chunk starts at the end)";
+          << ": the chunks tile [0, d0) in rank order, and an empty chunk starts at d0";
     }
   }
   // Values are cast: double rows into a float shard, float rows (integers) into a long shard.
