@@ -2,6 +2,8 @@
 // collective, large ones go at once, full buckets launch without waiting, every callback gets exactly its chunk of
 // the sum, and teardown frees the buffers (or refuses while work is pending).
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
+#include "shardlab/common/compat.h"
+#include "shardlab/common/process_group.h"
 #include "shardlab/common/thread_ranks.h"
 #include "support/group.h"
 
@@ -9,8 +11,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace shardlab::comm_hooks {
@@ -313,6 +318,178 @@ TEST(Bucketer, RejectsBadInputsClearly) {
         EXPECT_TRUE(at::equal(res.got[1], expected_chunk(comm.rank(), 1, 2, 3))) << "rank " << comm.rank();
       },
       test_group());
+}
+
+// Nothing waits when something is launched: rank 0 makes its calls while the other rank waits for them to return (5 s
+// at most) before it makes its own, so none of rank 0's collectives can have completed. On the way: an input whose
+// shard equals the capacity fits (it is not large), and a bucket that is merely full is not launched until an input
+// does not fit in it.
+TEST(Bucketer, LaunchingABucketOrALargeInputNeverWaits) {
+  std::atomic<bool> returned{false};
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        ReduceScatterBucketer bucketer(64);  // 8 elements per rank
+        const std::vector<int64_t> shards{8, 3, 20};
+        Results res;
+        auto calls = [&] {
+          const size_t mark = comm.recorder().size();
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, shards[0]), comm, res.slot(0));
+          EXPECT_EQ(comm.recorder().size(), mark)
+              << "an input whose shard (8) equals the capacity goes into the bucket, and a bucket that is merely "
+                 "full waits for the next input or flush(): nothing is sent yet";
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, shards[1]), comm, res.slot(1));
+          EXPECT_EQ(comm.recorder().size(), mark + 1) << "the full bucket is launched when the next input does not fit";
+          bucketer.reduce_scatter_async(input_of(comm.rank(), 2, 2, shards[2]), comm, res.slot(2));
+          EXPECT_EQ(comm.recorder().size(), mark + 2) << "the large input is launched at once";
+        };
+        if (comm.rank() == 0) {
+          calls();
+          returned = true;
+        } else {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (!returned && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          EXPECT_TRUE(returned) << "rank 0's reduce_scatter_async calls (a bucket launched, a large input launched) "
+                                   "had not returned 5 s later, while rank 1 had issued nothing: launching must not "
+                                   "wait for the collective; only flush() waits";
+          calls();
+        }
+        EXPECT_TRUE(res.order.empty()) << "callbacks run in flush() only";
+        bucketer.flush();
+        EXPECT_EQ(res.order, (std::vector<int>{0, 2, 1})) << "launch order: the full bucket, the large input, the rest";
+        check_results(res, comm.rank(), 2, shards);
+      },
+      test_group());
+}
+
+// A backend that forwards every op to a real one, except that it fails (at once, on every rank alike) or slows down
+// (a fixed delay) the steps of chosen ring reduce-scatters, told apart by their tag (ring number * 4096 + step).
+struct RingFaults {
+  int64_t fail = -1;  // the ring reduce-scatter (0 = the group's first) whose send throws
+  int64_t slow = -1;  // the ring reduce-scatter whose send waits `delay` first
+  std::chrono::milliseconds delay{300};
+};
+
+class FaultyBackend : public compat::Backend {
+ public:
+  FaultyBackend(c10::intrusive_ptr<compat::Backend> inner, const RingFaults& faults)
+      : compat::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), faults_(faults) {}
+  const std::string getBackendName() const override { return "faulty(" + inner_->getBackendName() + ")"; }
+  c10::intrusive_ptr<compat::Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
+    return inner_->broadcast(t, o);
+  }
+  c10::intrusive_ptr<compat::Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
+    return inner_->allreduce(t, o);
+  }
+  c10::intrusive_ptr<compat::Work> allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
+                                             const c10d::AllgatherOptions& o) override {
+    return inner_->allgather(out, in, o);
+  }
+  c10::intrusive_ptr<compat::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                   const c10d::AllgatherOptions& o) override {
+    return inner_->_allgather_base(out, in, o);
+  }
+  c10::intrusive_ptr<compat::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                        const c10d::ReduceScatterOptions& o) override {
+    return inner_->_reduce_scatter_base(out, in, o);
+  }
+  c10::intrusive_ptr<compat::Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {
+    if (tag < kRingAllGatherTagBase) {
+      const int64_t ring = tag / 4096;
+      if (ring == faults_.fail)
+        throw std::runtime_error("injected failure of ring reduce-scatter " + std::to_string(ring));
+      if (ring == faults_.slow) std::this_thread::sleep_for(faults_.delay);
+    }
+    return inner_->send(t, dst, tag);
+  }
+  c10::intrusive_ptr<compat::Work> recv(std::vector<at::Tensor>& t, int src, int tag) override {
+    return inner_->recv(t, src, tag);
+  }
+  c10::intrusive_ptr<compat::Work> barrier(const c10d::BarrierOptions& o) override { return inner_->barrier(o); }
+
+ private:
+  c10::intrusive_ptr<compat::Backend> inner_;
+  RingFaults faults_;
+};
+
+GroupOptions faulty_group(const RingFaults& faults) {
+  GroupOptions options = test_group();
+  options.wrap_backend = [faults](c10::intrusive_ptr<compat::Backend> inner,
+                                  int) -> c10::intrusive_ptr<compat::Backend> {
+    return c10::make_intrusive<FaultyBackend>(std::move(inner), faults);
+  };
+  return options;
+}
+
+// True when every collective recorded since `mark` has completed.
+bool all_completed(Communicator& comm, size_t mark) {
+  for (const auto& r : comm.recorder().since(mark))
+    if (r.end_ns == 0) return false;
+  return true;
+}
+
+// Callbacks run after their collective completed (its reduce-scatter is slowed down by 300 ms, so a callback run
+// before the wait would see it pending). When one collective fails, flush() still waits for every other one, runs
+// no callback, returns every bucket buffer to its bucket and rethrows the failure; the next round reuses the buffer.
+TEST(Bucketer, CallbacksFollowTheirCollectiveAndAFailedFlushStillSettlesEverything) {
+  RingFaults slow;
+  slow.slow = 0;
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        comm.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+        ReduceScatterBucketer bucketer(256);
+        const size_t mark = comm.recorder().size();
+        int ran = 0;
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 6), comm, [&](const at::Tensor& chunk) {
+          ++ran;
+          EXPECT_TRUE(all_completed(comm, mark)) << "a callback ran before its collective had completed";
+          EXPECT_TRUE(at::equal(chunk, expected_chunk(comm.rank(), 0, 2, 6))) << "rank " << comm.rank();
+        });
+        bucketer.flush();
+        EXPECT_EQ(ran, 1);
+      },
+      faulty_group(slow));
+
+  RingFaults faults;
+  faults.fail = 0;  // the large input's reduce-scatter, launched first
+  faults.slow = 1;  // the bucket's, launched by flush(): still in flight when the failure is known
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        comm.set_reduce_scatter_algorithm(ReduceScatterAlgorithm::kRing);
+        ReduceScatterBucketer bucketer(256);  // 32 elements per rank
+        const int64_t bucket_bytes = (2 * 32 + 32) * 4;
+        Results res;
+        const size_t mark = comm.recorder().size();
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 40), comm, res.slot(0));  // large: ring 0, fails
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 1, 2, 6), comm, res.slot(1));   // bucket: ring 1, slow
+        std::string error;
+        try {
+          bucketer.flush();
+        } catch (const std::runtime_error& e) {
+          error = e.what();
+        }
+        if (comm.rank() == 0) std::cout << "flush after a failed collective: " << error << "\n";
+        EXPECT_NE(error.find("injected failure"), std::string::npos)
+            << "flush() must rethrow the failed collective's error; got '" << error << "'";
+        EXPECT_TRUE(all_completed(comm, mark))
+            << "flush() rethrew while a collective was still in flight: it must wait for every other one first";
+        EXPECT_TRUE(res.order.empty()) << "no callback runs when a collective of the flush failed; " << res.order.size()
+                                       << " ran";
+        EXPECT_EQ(bucketer.pending_callbacks(), 0u);
+        EXPECT_EQ(bucketer.in_flight(), 0u);
+        EXPECT_EQ(bucketer.allocated_bytes(), bucket_bytes)
+            << "the bucket's buffer (" << bucket_bytes << " bytes) goes back to its bucket even when the flush failed";
+        // The next round works and reuses that buffer.
+        Results again;
+        bucketer.reduce_scatter_async(input_of(comm.rank(), 0, 2, 6), comm, again.slot(0));
+        bucketer.flush();
+        check_results(again, comm.rank(), 2, {6});
+        EXPECT_EQ(bucketer.allocated_bytes(), bucket_bytes) << "the spare buffer is reused";
+      },
+      faulty_group(faults));
 }
 
 // Destroying a bucketer with collectives in flight waits for them (they write into its buffers) and drops the

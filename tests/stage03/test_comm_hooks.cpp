@@ -17,10 +17,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 namespace shardlab::comm_hooks {
 namespace {
@@ -425,6 +429,8 @@ TEST_P(ReduceScatterForm, OutputIsThisRanksChunkOfTheAverage) {
         const auto recs = comm.recorder().since(mark);
         ASSERT_EQ(recs.size(), 1u) << "one collective";
         EXPECT_EQ(recs[0].op, "reduce_scatter");
+        EXPECT_EQ(recs[0].reduce, "sum") << sc.hook << ": the hook asks for SUM and divides itself (pre and post); "
+                                         << "AVG would divide a third time";
         EXPECT_EQ(recs[0].dtype, prec);
         EXPECT_EQ(recs[0].numel, numel);
         outputs[comm.rank()] = out;
@@ -474,6 +480,197 @@ TEST(LowPrecisionHooks, CastBackIntoTheGradientsDtype) {
         }
       },
       test_group());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 6. The contract of every hook, on values chosen so that each rule shows in the result
+
+// Why the division is split (Note [Pre- and post-division]): dividing only after the sum overflows where the
+// split does not, dividing only before underflows where the split does not. Every rank holds the same value v, so
+// the average is v, and the split computes it exactly: (v / pre) * W / post = v.
+//  - 2 ranks (pre 2, post 1), v near the top of the range: the sum of the v / pre is v; the sum of the v is 2v,
+//    which overflows to inf (fp16 tops out at 65504, f32 and bf16 at 3.4e38).
+//  - 4 ranks (pre 2, post 2), v two steps above zero (2^-23 in fp16, 2^-148 in f32, 2^-132 in bf16): v / pre is
+//    one step, representable; v / 4 is half a step and rounds to zero.
+TEST(PrePostDivision, TheSumStaysInRangeAndSmallGradientsSurvive) {
+  struct Case {
+    std::string hook;
+    bool reduce_scatter;  // the form
+  };
+  const std::vector<Case> cases{{"allreduce", false}, {"reduce_scatter", true}, {"fp16", false},
+                                {"fp16", true},       {"bf16", false},          {"bf16", true}};
+  for (const int world : {2, 4}) {
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          for (const Case& c : cases) {
+            const c10::ScalarType prec = hook_dtype(c.hook);
+            const double v = world == 2 ? (prec == at::kHalf ? 40000.0 : 3e38)
+                                        : std::ldexp(1.0, prec == at::kHalf       ? -23
+                                                          : prec == at::kBFloat16 ? -132
+                                                                                  : -148);
+            const float expected = at::scalar_tensor(v, at::kFloat).to(prec).to(at::kFloat).item<float>();
+            CommHook hook = make_hook(c.hook, comm);
+            at::Tensor grad = at::full({4 * world}, v, at::kFloat);
+            at::Tensor out = c.reduce_scatter ? at::full({4}, -1.0f) : at::Tensor();
+            hook(grad, out).wait();
+            const at::Tensor result = c.reduce_scatter ? out : grad;
+            EXPECT_TRUE(result.eq(expected).all().item<bool>())
+                << c.hook << (c.reduce_scatter ? " (reduce-scatter form)" : " (all-reduce form)") << ", " << world
+                << " ranks each holding " << v << ": expected the average " << expected << ", got "
+                << result.max().item<float>() << "; "
+                << (world == 2
+                        ? "the sum overflows unless each rank divides by pre (" +
+                              std::to_string(hook.state->gradient_predivide_factor) + ") before it"
+                        : "v / " + std::to_string(world) + " underflows to zero: divide by pre (" +
+                              std::to_string(hook.state->gradient_predivide_factor) + ") before the sum and by post (" +
+                              std::to_string(hook.state->gradient_postdivide_factor) + ") after it");
+          }
+        },
+        test_group());
+  }
+}
+
+// The low-precision hooks divide in their own dtype, before and after the sum. At 3 ranks (pre 2, post 1.5) on
+// integer gradients every sum is exact in any order, so the result is the cast formula bit for bit, and a
+// post-division done in f32 after the cast back (a different rounding of sum / 1.5) shows.
+TEST(LowPrecisionHooks, DivideInTheirOwnDtype) {
+  const int world = 3;
+  const int64_t shard = 40, numel = world * shard;
+  std::vector<at::Tensor> grads;
+  for (int r = 0; r < world; ++r) grads.push_back(at::randint(-50, 50, {numel}, at::kLong).to(at::kFloat));
+  for (const std::string name : {"fp16", "bf16"}) {
+    const c10::ScalarType prec = hook_dtype(name);
+    std::vector<at::Tensor> all_reduced(world), scattered(world);
+    bool native = true;
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          CommHook hook = make_hook(name, comm);
+          if (comm.rank() == 0) native = comm.reduces_natively(prec);
+          at::Tensor grad = grads[comm.rank()].clone();
+          hook(grad).wait();
+          all_reduced[comm.rank()] = grad;
+          at::Tensor out = at::empty({shard});
+          hook(grads[comm.rank()].clone(), out).wait();
+          scattered[comm.rank()] = out;
+        },
+        test_group());
+    const at::Tensor expected = expected_low_precision(grads, prec, 2, 1.5, native);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_TRUE(at::equal(all_reduced[r], expected))
+          << name << " all-reduce form, rank " << r << ": expected (sum of the " << c10::toString(prec)
+          << " g / 2) / 1.5, each division in " << c10::toString(prec) << "; differs by "
+          << (all_reduced[r] - expected).abs().max().item<double>();
+      const at::Tensor chunk = expected.view({world, shard})[r];
+      EXPECT_TRUE(at::equal(scattered[r], chunk))
+          << name << " reduce-scatter form, rank " << r << ": expected chunk " << r << " of (sum of the "
+          << c10::toString(prec) << " g / 2) / 1.5, each division in " << c10::toString(prec) << "; differs by "
+          << (scattered[r] - chunk).abs().max().item<double>();
+    }
+  }
+}
+
+// A hook starts the collective and returns: rank 0 calls it while the other ranks wait for it to return (5 s at
+// most) before they call theirs, so its collective cannot have completed yet. What needs the result (the
+// post-division, the cast back, the copy into output) runs only in wait(): until then `output` is untouched, an
+// fp32 all-reduce's grad holds the pre-divided gradient only, and a low-precision hook's grad is untouched (it
+// communicates a copy). Integer gradients: every average is exact.
+TEST(HookContract, HooksReturnAtOnceAndFinishOnlyInWait) {
+  struct Case {
+    std::string hook;
+    bool reduce_scatter;
+  };
+  const std::vector<Case> cases{{"allreduce", false}, {"reduce_scatter", true}, {"fp16", false},
+                                {"fp16", true},       {"bf16", false},          {"bf16", true}};
+  const int world = 3;  // pre 2, post 1.5
+  const int64_t shard = 8;
+  std::array<std::atomic<bool>, 6> returned{};
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        for (size_t i = 0; i < cases.size(); ++i) {
+          const Case& c = cases[i];
+          const std::string what = c.hook + (c.reduce_scatter ? " (reduce-scatter form)" : " (all-reduce form)");
+          CommHook hook = make_hook(c.hook, comm);
+          const at::Tensor g = at::full({world * shard}, 2.0f * (comm.rank() + 1));  // average 4
+          at::Tensor grad = g.clone();
+          at::Tensor out = c.reduce_scatter ? at::full({shard}, -1.0f) : at::Tensor();
+          Handle h;
+          if (comm.rank() == 0) {
+            h = hook(grad, out);
+            returned[i] = true;
+            if (c.reduce_scatter)
+              EXPECT_TRUE(out.eq(-1.0f).all().item<bool>())
+                  << what << ": output changed before wait() (it holds " << out[0].item<float>()
+                  << "); the result goes into output in the handle's continuation";
+            else if (c.hook == "allreduce")
+              EXPECT_TRUE(grad.eq(2.0f / 2).all().item<bool>())
+                  << what << ": before wait() grad must hold the pre-divided gradient (1); it holds "
+                  << grad[0].item<float>() << ": the post-division belongs in the handle's continuation";
+            else
+              EXPECT_TRUE(grad.eq(2.0f).all().item<bool>())
+                  << what << ": grad changed before wait() (it holds " << grad[0].item<float>()
+                  << "); the hook communicates a low-precision copy and casts back in the continuation";
+          } else {
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+            while (!returned[i] && std::chrono::steady_clock::now() < deadline)
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            EXPECT_TRUE(returned[i]) << what << ": rank 0's hook call had not returned 5 s later, while rank "
+                                     << comm.rank()
+                                     << " had not called its own: a hook must not wait for its collective";
+            h = hook(grad, out);
+          }
+          h.wait();
+          const at::Tensor result = c.reduce_scatter ? out : grad;
+          EXPECT_TRUE(result.eq(4.0f).all().item<bool>()) << what << " rank " << comm.rank() << ": " << result;
+        }
+      },
+      test_group());
+}
+
+// "A factor of 1 costs nothing": at 1 rank (pre = post = 1) and 2 ranks (post = 1) the fp32 hooks make no pass
+// over grad or output beyond what the Communicator's own collective makes. Each in-place pass moves a tensor's
+// version counter by one: the hook's count must be the collective's own plus one per factor above 1.
+TEST(HookContract, AFactorOfOneCostsNoPassOverTheData) {
+  for (const int world : {1, 2}) {
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          DefaultState state(comm);
+          const int pre = state.gradient_predivide_factor > 1 ? 1 : 0;
+          const int post = state.gradient_postdivide_factor > 1 ? 1 : 0;
+          auto bumps = [](const at::Tensor& t, int64_t before) { return t.defined() ? t._version() - before : 0; };
+          // The collective alone.
+          at::Tensor g = at::ones({4 * world}), o = at::empty({4});
+          int64_t gv = g._version(), ov = o._version();
+          comm.all_reduce(g, ReduceOp::kSum).wait();
+          const int64_t ar_grad = bumps(g, gv);
+          gv = g._version();
+          comm.reduce_scatter(o, g, ReduceOp::kSum).wait();
+          const int64_t rs_grad = bumps(g, gv), rs_out = bumps(o, ov);
+          // The hooks.
+          g = at::ones({4 * world});
+          gv = g._version();
+          allreduce_hook(state, g, at::Tensor()).wait();
+          EXPECT_EQ(bumps(g, gv), ar_grad + pre + post)
+              << "allreduce_hook at " << world << " ranks (pre " << state.gradient_predivide_factor << ", post "
+              << state.gradient_postdivide_factor << "): passes over grad beyond the all-reduce's own " << ar_grad
+              << "; a factor of 1 must be skipped";
+          g = at::ones({4 * world});
+          o = at::empty({4});
+          gv = g._version();
+          ov = o._version();
+          reduce_scatter_hook(state, g, o).wait();
+          EXPECT_EQ(bumps(g, gv), rs_grad + pre)
+              << "reduce_scatter_hook at " << world << " ranks (pre " << state.gradient_predivide_factor
+              << "): passes over grad; a factor of 1 must be skipped";
+          EXPECT_EQ(bumps(o, ov), rs_out + post)
+              << "reduce_scatter_hook at " << world << " ranks (post " << state.gradient_postdivide_factor
+              << "): passes over output; a factor of 1 must be skipped";
+        },
+        test_group());
+  }
 }
 
 // What the reduce-scatter form holds beyond its grad and output is what reduce_scatter_scratch_bytes states (FSDP's

@@ -167,6 +167,9 @@ TEST(OptimizerOverlapOrder, EachBucketIsSteppedAfterItsReductionInBucketOrder) {
           ASSERT_EQ(recs.size(), buckets.size());
           ASSERT_EQ(overlapped->log().size() - logged, buckets.size()) << "step " << step;
           for (size_t b = 0; b < buckets.size(); ++b) {
+            EXPECT_EQ(recs[b].op + " " + recs[b].reduce, "all_reduce avg")
+                << "bucket " << b << ": without a reducer, hook_then_optimizer averages the bucket as BucketedDDP "
+                << "does (all_reduce with AVG)";
             const auto& entry = overlapped->log()[logged + b];
             EXPECT_EQ(std::set<size_t>(entry.params.begin(), entry.params.end()),
                       std::set<size_t>(buckets[b].params.begin(), buckets[b].params.end()))
