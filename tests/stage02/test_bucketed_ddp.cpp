@@ -9,6 +9,7 @@
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/device.h"
+#include "support/failing_backend.h"
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
@@ -51,20 +52,6 @@ struct Watch {
   int64_t fail_at = -1;            ///< the index (into all_reduces) of the one to fail instead of issuing; -1: none
 };
 
-/// A c10d work that failed at once: how a WatchedBackend fails an all-reduce without issuing it.
-class FailedWork : public compat::Work {
- public:
-  explicit FailedWork(const std::exception_ptr& error)
-      : future_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {
-    future_->setError(error);
-    finish(error);
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
 /// The backend's own work, with every wait() on it noted in the Watch first.
 class WatchedWork : public compat::Work {
  public:
@@ -84,14 +71,13 @@ class WatchedWork : public compat::Work {
   Watch* watch_;
 };
 
-/// Forwards every op to the real backend (as tests/support/delayed_backend.h); notes when each broadcast and
-/// all-reduce is waited for, and fails the all-reduce Watch::fail_at names, on every rank that is told to, without
-/// issuing it (so the ranks' sequences of collectives still pair).
-class WatchedBackend : public compat::Backend {
+/// Forwards every op to the real backend (a DelayedBackend without delays); notes when each broadcast and all-reduce
+/// is waited for, and fails the all-reduce Watch::fail_at names, on every rank that is told to, without issuing it
+/// (so the ranks' sequences of collectives still pair).
+class WatchedBackend : public test_support::DelayedBackend {
  public:
   WatchedBackend(c10::intrusive_ptr<compat::Backend> inner, Watch* watch)
-      : compat::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), watch_(watch) {}
-  const std::string getBackendName() const override { return "watched(" + inner_->getBackendName() + ")"; }
+      : DelayedBackend(std::move(inner), test_support::DelayPlan{}, nullptr), watch_(watch) {}
   c10::intrusive_ptr<compat::Work> allreduce(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) override {
     bool fail = false;
@@ -99,28 +85,15 @@ class WatchedBackend : public compat::Backend {
       std::lock_guard<std::mutex> lock(watch_->mu);
       fail = watch_->all_reduces++ == watch_->fail_at;
     }
-    if (fail) return c10::make_intrusive<FailedWork>(std::make_exception_ptr(std::runtime_error("injected failure")));
-    return c10::make_intrusive<WatchedWork>(inner_->allreduce(tensors, opts), watch_);
+    if (fail) return c10::make_intrusive<test_support::FailedWork>(test_support::FailingBackend::kMessage);
+    return c10::make_intrusive<WatchedWork>(DelayedBackend::allreduce(tensors, opts), watch_);
   }
   c10::intrusive_ptr<compat::Work> broadcast(std::vector<at::Tensor>& tensors,
                                              const c10d::BroadcastOptions& opts) override {
-    return c10::make_intrusive<WatchedWork>(inner_->broadcast(tensors, opts), watch_);
+    return c10::make_intrusive<WatchedWork>(DelayedBackend::broadcast(tensors, opts), watch_);
   }
-  c10::intrusive_ptr<compat::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                             std::vector<at::Tensor>& inputs,
-                                             const c10d::AllgatherOptions& opts) override {
-    return inner_->allgather(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<compat::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    return inner_->send(tensors, dst, tag);
-  }
-  c10::intrusive_ptr<compat::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
-    return inner_->recv(tensors, src, tag);
-  }
-  c10::intrusive_ptr<compat::Work> barrier(const c10d::BarrierOptions& opts) override { return inner_->barrier(opts); }
 
  private:
-  c10::intrusive_ptr<compat::Backend> inner_;
   Watch* watch_;
 };
 

@@ -5,6 +5,7 @@
 #include "shardlab/common/compat.h"
 #include "shardlab/common/process_group.h"
 #include "shardlab/common/thread_ranks.h"
+#include "support/delayed_backend.h"
 #include "support/group.h"
 
 #include <ATen/ATen.h>
@@ -363,37 +364,19 @@ TEST(Bucketer, LaunchingABucketOrALargeInputNeverWaits) {
       test_group());
 }
 
-// A backend that forwards every op to a real one, except that it fails (at once, on every rank alike) or slows down
-// (a fixed delay) the steps of chosen ring reduce-scatters, told apart by their tag (ring number * 4096 + step).
+// A backend that forwards every op to a real one (a DelayedBackend without delays), except that it fails (at once, on
+// every rank alike) or slows down (a fixed delay) the steps of chosen ring reduce-scatters, told apart by their tag
+// (ring number * 4096 + step).
 struct RingFaults {
   int64_t fail = -1;  // the ring reduce-scatter (0 = the group's first) whose send throws
   int64_t slow = -1;  // the ring reduce-scatter whose send waits `delay` first
   std::chrono::milliseconds delay{300};
 };
 
-class FaultyBackend : public compat::Backend {
+class FaultyBackend : public test_support::DelayedBackend {
  public:
   FaultyBackend(c10::intrusive_ptr<compat::Backend> inner, const RingFaults& faults)
-      : compat::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)), faults_(faults) {}
-  const std::string getBackendName() const override { return "faulty(" + inner_->getBackendName() + ")"; }
-  c10::intrusive_ptr<compat::Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
-    return inner_->broadcast(t, o);
-  }
-  c10::intrusive_ptr<compat::Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
-    return inner_->allreduce(t, o);
-  }
-  c10::intrusive_ptr<compat::Work> allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
-                                             const c10d::AllgatherOptions& o) override {
-    return inner_->allgather(out, in, o);
-  }
-  c10::intrusive_ptr<compat::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
-                                                   const c10d::AllgatherOptions& o) override {
-    return inner_->_allgather_base(out, in, o);
-  }
-  c10::intrusive_ptr<compat::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                        const c10d::ReduceScatterOptions& o) override {
-    return inner_->_reduce_scatter_base(out, in, o);
-  }
+      : DelayedBackend(std::move(inner), test_support::DelayPlan{}, nullptr), faults_(faults) {}
   c10::intrusive_ptr<compat::Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {
     if (tag < kRingAllGatherTagBase) {
       const int64_t ring = tag / 4096;
@@ -401,15 +384,10 @@ class FaultyBackend : public compat::Backend {
         throw std::runtime_error("injected failure of ring reduce-scatter " + std::to_string(ring));
       if (ring == faults_.slow) std::this_thread::sleep_for(faults_.delay);
     }
-    return inner_->send(t, dst, tag);
+    return DelayedBackend::send(t, dst, tag);
   }
-  c10::intrusive_ptr<compat::Work> recv(std::vector<at::Tensor>& t, int src, int tag) override {
-    return inner_->recv(t, src, tag);
-  }
-  c10::intrusive_ptr<compat::Work> barrier(const c10d::BarrierOptions& o) override { return inner_->barrier(o); }
 
  private:
-  c10::intrusive_ptr<compat::Backend> inner_;
   RingFaults faults_;
 };
 
