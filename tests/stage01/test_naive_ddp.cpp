@@ -12,6 +12,7 @@
 #include "support/group.h"
 #include "support/no_sync.h"
 #include "support/train_replica.h"
+#include "support/watched_backend.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -123,6 +124,7 @@ TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) 
   std::vector<std::vector<at::Tensor>> before(world), after(world);
   std::vector<std::vector<at::Tensor>> buffers(world);
   std::vector<size_t> broadcasts(world);
+  std::vector<std::string> param_names, buffer_names;
   run_ranks(
       world,
       [&](Communicator& comm) {
@@ -132,18 +134,40 @@ TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) 
         for (const auto& p : model->parameters()) after[comm.rank()].push_back(p.detach().clone());
         for (const auto& b : model->buffers()) buffers[comm.rank()].push_back(b.detach().clone());
         broadcasts[comm.rank()] = comm.recorder().size();
+        if (comm.rank() == 0) {
+          for (const auto& item : model->named_parameters()) param_names.push_back(item.key());
+          for (const auto& item : model->named_buffers()) buffer_names.push_back(item.key());
+        }
       },
       test_group());
+  // "'frozen' (max diff 0.17)": the tensors of `got` that differ from `want`, by name
+  auto differing = [](const std::vector<std::string>& names, const std::vector<at::Tensor>& got,
+                      const std::vector<at::Tensor>& want) {
+    std::string list;
+    for (size_t i = 0; i < names.size(); ++i)
+      if (!at::equal(got[i], want[i]))
+        list += (list.empty() ? "'" : ", '") + names[i] + "' (max diff " +
+                std::to_string(test_support::max_diff(got[i], want[i])) + ")";
+    return list;
+  };
   for (int r = 1; r < world; ++r) {
     const double start = max_abs_diff(before[r], before[0]);
     const double end = max_abs_diff(after[r], before[0]);
     std::cout << "rank " << r << ": max diff to rank 0 before " << start << ", after " << end << "\n";
     EXPECT_GT(start, 0.0);
-    EXPECT_EQ(end, 0.0);
-    EXPECT_EQ(max_abs_diff(buffers[r], buffers[0]), 0.0) << "buffers are broadcast too";
+    EXPECT_EQ(end, 0.0) << "rank " << r << ": after construction these parameters differ from rank 0's: "
+                        << differing(param_names, after[r], before[0]) << ". broadcast_state broadcasts every "
+                        << "parameter, frozen ones included, from root 0, and waits for the broadcasts (task 1)";
+    EXPECT_EQ(max_abs_diff(buffers[r], buffers[0]), 0.0)
+        << "rank " << r << ": these buffers differ from rank 0's: " << differing(buffer_names, buffers[r], buffers[0])
+        << ". Buffers are broadcast too (task 1)";
   }
   // one broadcast per parameter (frozen included) and per buffer: edge has 6 parameters and 1 buffer
-  for (int r = 0; r < world; ++r) EXPECT_EQ(broadcasts[r], 7u);
+  ASSERT_EQ(param_names.size(), 6u);
+  ASSERT_EQ(buffer_names.size(), 1u);
+  for (int r = 0; r < world; ++r)
+    EXPECT_EQ(broadcasts[r], 7u) << "rank " << r << ": exactly one broadcast per parameter (6, frozen included) and "
+                                 << "per buffer (1) (task 1)";
 }
 
 // Structure: per step, one all-reduce (average) per parameter that received a gradient, of that parameter's size;
@@ -309,6 +333,45 @@ TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) 
   EXPECT_EQ(launched[0], reduced) << "one all-reduce per gradient accumulated before the throw";
   EXPECT_GT(reduced, 0u);
   EXPECT_LT(reduced, names.size()) << "the throw came before the first layer's weight";
+}
+
+// Task 1: collectives are paired by position, so every rank issues the same broadcasts in the same order. The edge
+// model's tensors have different sizes: two ranks broadcasting them in different orders would make Gloo abort the
+// process; the backend below refuses the first broadcast that differs from another rank's instead, and says which.
+// It also counts the waits: broadcast_state returns only once every broadcast it started has landed.
+TEST(NaiveDDP, EveryRankIssuesTheSameBroadcastsInTheSameOrder) {
+  const int world = 3;
+  std::vector<test_support::Watch> watches(world);
+  test_support::Sequences sequences(world);
+  std::vector<std::string> errors(world);
+  GroupOptions group = test_support::watched_group(watches, &sequences);
+  group.timeout = std::chrono::milliseconds(10'000);  // a rank left waiting fails after 10 s, not 30
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        auto model = make_model("edge", 100 + comm.rank());
+        try {
+          NaiveDDP ddp(model, comm);
+        } catch (const std::exception& e) {
+          errors[comm.rank()] = e.what();
+        }
+      },
+      group);
+  std::string mismatches;
+  for (const auto& m : sequences.mismatches) mismatches += "\n  " + m;
+  std::cout << "rank 0 issued:";
+  for (const auto& c : sequences.issued[0]) std::cout << " [" << c << "]";
+  std::cout << "\n";
+  EXPECT_TRUE(sequences.mismatches.empty())
+      << "every rank must issue the same broadcasts in the same order (task 1: collectives are paired by position, "
+      << "not by name):" << mismatches;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(sequences.issued[r], sequences.issued[0]) << "rank " << r << "'s broadcasts differ from rank 0's";
+    EXPECT_TRUE(errors[r].empty()) << "rank " << r << ": construction threw: " << errors[r].substr(0, 300);
+    EXPECT_EQ(watches[r].waited_ns.size(), sequences.issued[r].size())
+        << "rank " << r << ": broadcast_state waits for every broadcast it started before it returns (task 1: "
+        << "afterwards every tensor holds rank 0's values)";
+  }
 }
 
 // Invariant 2, "never wait inside on_gradient_ready". Rank 1 starts its backward only once rank 0's backward has

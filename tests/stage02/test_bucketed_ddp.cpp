@@ -9,11 +9,11 @@
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/device.h"
-#include "support/failing_backend.h"
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
 #include "support/train_replica.h"
+#include "support/watched_backend.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -30,6 +30,8 @@ namespace shardlab::bucketed_ddp {
 namespace {
 
 using test_support::test_group;
+using test_support::Watch;
+using test_support::watched_group;
 
 constexpr double kRtol = 1e-5, kAtol = 1e-6;
 
@@ -39,71 +41,6 @@ BucketCaps mlp_caps(int buckets) {
   if (buckets == 1) return {};               // 1 MiB first bucket holds everything
   if (buckets == 2) return {1000, 1 << 20};  // [fc2.*] [the rest]
   return {1000, 16000};                      // [fc2.*] [fc1.*] [fc0.*]
-}
-
-// ---- Watching the collectives from below: when each is waited for, and an all-reduce that fails on purpose ----
-
-/// What a WatchedBackend saw on its rank, and what it was told to do. Read by the test once the ranks are done, or
-/// under `mu` by the rank itself.
-struct Watch {
-  std::mutex mu;
-  std::vector<int64_t> waited_ns;  ///< now_ns() of every wait() on a broadcast or an all-reduce, in call order
-  int64_t all_reduces = 0;         ///< all-reduces issued on this rank so far
-  int64_t fail_at = -1;            ///< the index (into all_reduces) of the one to fail instead of issuing; -1: none
-};
-
-/// The backend's own work, with every wait() on it noted in the Watch first.
-class WatchedWork : public compat::Work {
- public:
-  WatchedWork(c10::intrusive_ptr<compat::Work> inner, Watch* watch) : inner_(std::move(inner)), watch_(watch) {}
-  bool wait(std::chrono::milliseconds timeout) override {
-    {
-      std::lock_guard<std::mutex> lock(watch_->mu);
-      watch_->waited_ns.push_back(now_ns());
-    }
-    return inner_->wait(timeout);
-  }
-  bool isCompleted() override { return inner_->isCompleted(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
-
- private:
-  c10::intrusive_ptr<compat::Work> inner_;
-  Watch* watch_;
-};
-
-/// Forwards every op to the real backend (a DelayedBackend without delays); notes when each broadcast and all-reduce
-/// is waited for, and fails the all-reduce Watch::fail_at names, on every rank that is told to, without issuing it
-/// (so the ranks' sequences of collectives still pair).
-class WatchedBackend : public test_support::DelayedBackend {
- public:
-  WatchedBackend(c10::intrusive_ptr<compat::Backend> inner, Watch* watch)
-      : DelayedBackend(std::move(inner), test_support::DelayPlan{}, nullptr), watch_(watch) {}
-  c10::intrusive_ptr<compat::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                             const c10d::AllreduceOptions& opts) override {
-    bool fail = false;
-    {
-      std::lock_guard<std::mutex> lock(watch_->mu);
-      fail = watch_->all_reduces++ == watch_->fail_at;
-    }
-    if (fail) return c10::make_intrusive<test_support::FailedWork>(test_support::FailingBackend::kMessage);
-    return c10::make_intrusive<WatchedWork>(DelayedBackend::allreduce(tensors, opts), watch_);
-  }
-  c10::intrusive_ptr<compat::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                             const c10d::BroadcastOptions& opts) override {
-    return c10::make_intrusive<WatchedWork>(DelayedBackend::broadcast(tensors, opts), watch_);
-  }
-
- private:
-  Watch* watch_;
-};
-
-/// test_group() with every rank's backend watched by watches[rank].
-GroupOptions watched_group(std::vector<Watch>& watches) {
-  GroupOptions options = test_group();
-  options.wrap_backend = [&watches](c10::intrusive_ptr<compat::Backend> inner, int rank) {
-    return c10::make_intrusive<WatchedBackend>(std::move(inner), &watches[rank]);
-  };
-  return options;
 }
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options,

@@ -538,7 +538,10 @@ TEST(LowPrecisionHooks, DivideInTheirOwnDtype) {
   const int world = 3;
   const int64_t shard = 40, numel = world * shard;
   std::vector<at::Tensor> grads;
-  for (int r = 0; r < world; ++r) grads.push_back(at::randint(-50, 50, {numel}, at::kLong).to(at::kFloat));
+  for (int r = 0; r < world; ++r) {
+    auto gen = at::detail::createCPUGenerator(31 + static_cast<uint64_t>(r));
+    grads.push_back(at::randint(-50, 50, {numel}, gen, at::TensorOptions().dtype(at::kLong)).to(at::kFloat));
+  }
   for (const std::string name : {"fp16", "bf16"}) {
     const c10::ScalarType prec = hook_dtype(name);
     std::vector<at::Tensor> all_reduced(world), scattered(world);

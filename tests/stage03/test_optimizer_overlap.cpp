@@ -18,8 +18,11 @@
 #include <gtest/gtest.h>
 #include <torch/optim/lbfgs.h>
 
+#include <atomic>
+#include <chrono>
 #include <iostream>
 #include <set>
+#include <thread>
 
 namespace shardlab::comm_hooks {
 namespace {
@@ -239,6 +242,41 @@ TEST(OptimizerOverlapOrder, NothingIsSteppedWhenBackwardFailsOrIsCutShort) {
         if (comm.rank() == 0)
           std::cout << "complete backward: " << after_complete << " bucket steps; failed and cut-short backwards: 0; "
                     << "next complete: " << overlapped->log().size() - after_complete << "\n";
+      },
+      test_group());
+}
+
+// The reducer starts the reduction and returns on the backward thread: rank 0 calls it while rank 1 waits for it to
+// return (5 s at most) before calling its own, so the reduction cannot have landed yet. Waited for outside
+// BucketedDDP's end of backward, its handle steps nothing (optimizer_overlap.h).
+TEST(OptimizerOverlapOrder, TheReducerReturnsBeforeItsReductionLandsAndStepsNothingOutsideBackward) {
+  std::atomic<bool> returned{false};
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        const std::vector<at::Tensor> params{at::zeros({4}, at::requires_grad())};
+        auto overlapped = std::make_shared<OverlappedOptimizer>(
+            params, [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.1); });
+        const bucketed_ddp::BucketReducer reducer = hook_then_optimizer(nullptr, overlapped);
+        at::Tensor bucket = at::full({4}, comm.rank() + 1.0f);
+        Handle h;
+        if (comm.rank() == 0) {
+          h = reducer(comm, bucket);
+          returned = true;
+        } else {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (!returned && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          EXPECT_TRUE(returned) << "rank 0's call of the reducer had not returned 5 s later, while rank 1 had not "
+                                   "called its own: the reducer must start the reduction and return, the step "
+                                   "belongs in the handle's continuation";
+          h = reducer(comm, bucket);
+        }
+        h.wait();
+        EXPECT_TRUE(bucket.eq(1.5f).all().item<bool>()) << "the bucket's average: " << bucket;
+        EXPECT_TRUE(overlapped->log().empty())
+            << "waited for outside BucketedDDP's end of backward, the handle stepped " << overlapped->log().size()
+            << " bucket(s); expected none";
       },
       test_group());
 }

@@ -82,7 +82,7 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   // The buffers live on the parameters' device (the constructor checked there is one): a bucket is reduced where
   // its gradients are, with no copy. A gradient that exists already (a rebuild runs at the next forward, after the
   // optimizer may have used, or the user may have kept, the gradients) keeps its values in its new slot.
-  // BEGIN SOLUTION(02): lay the gradients out in one flat buffer per dtype, bucket after bucket, each .grad its slot
+  // BEGIN SOLUTION(02): every .grad a view of its slot in the buckets' flat storage (the layout on the sheet)
   // Offsets first: each bucket is a contiguous slice of its dtype's buffer, in launch order.
   std::map<c10::ScalarType, int64_t> total;
   for (const auto& group : groups) {
@@ -307,7 +307,7 @@ void BucketedDDP::reset_iteration() {
 }
 
 void BucketedDDP::mark_ready(size_t index) {
-  // BEGIN SOLUTION(02): count the parameter off its bucket; launch every complete bucket, strictly in bucket order
+  // BEGIN SOLUTION(02): the parameter is ready: buckets go out strictly in bucket order, and none is waited for
   if (ready_[index])
     throw std::logic_error("BucketedDDP: parameter '" + names_[index] +
                            "' became ready twice in one synchronized backward; call loss() before each backward "
@@ -323,7 +323,7 @@ void BucketedDDP::mark_ready(size_t index) {
 
 std::vector<size_t> BucketedDDP::finish_backward() {
   std::vector<size_t> unused;
-  // BEGIN SOLUTION(02): launch what is left (missing parameters as their slots are), wait for all, start afresh
+  // BEGIN SOLUTION(02): every bucket reduced, missing parameters too; nothing in flight; ready for the next backward
   for (size_t i = 0; i < params_.size(); ++i)
     if (!ready_[i]) unused.push_back(i);
   for (size_t i : unused) mark_ready(i);

@@ -93,7 +93,7 @@ DefaultState::DefaultState(Communicator& c)
 
 Handle allreduce_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output) {
   check_args("allreduce_hook", state, grad, output, Form::kAllReduce);
-  // BEGIN SOLUTION(03): pre-divide grad, all-reduce (SUM) in place, post-divide in the handle's then step
+  // BEGIN SOLUTION(03): grad holds the group's average once the handle's wait() returns; the hook never blocks
   const double pre = state.gradient_predivide_factor, post = state.gradient_postdivide_factor;
   if (pre > 1) grad.div_(pre);
   return state.comm->all_reduce(grad, ReduceOp::kSum).then([grad, post] {
@@ -104,7 +104,7 @@ Handle allreduce_hook(DefaultState& state, const at::Tensor& grad, const at::Ten
 
 Handle reduce_scatter_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output) {
   check_args("reduce_scatter_hook", state, grad, output, Form::kReduceScatter);
-  // BEGIN SOLUTION(03): pre-divide grad, reduce-scatter (SUM) into output, post-divide output in the then step
+  // BEGIN SOLUTION(03): output holds this rank's chunk of the average once wait() returns; never block
   const double pre = state.gradient_predivide_factor, post = state.gradient_postdivide_factor;
   if (pre > 1) grad.div_(pre);
   at::Tensor out = output.view({-1});
@@ -120,7 +120,7 @@ namespace {
 Handle low_precision_hook(const char* hook, c10::ScalarType prec, DefaultState& state, const at::Tensor& grad,
                           const at::Tensor& output) {
   check_args(hook, state, grad, output, Form::kAny);
-  // BEGIN SOLUTION(03): cast to low precision, pre-divide, sum in low precision, post-divide and cast back on wait
+  // BEGIN SOLUTION(03): the average computed in `prec`, every division included; the result in grad's or output's dtype
   const double pre = state.gradient_predivide_factor, post = state.gradient_postdivide_factor;
   // `.to` copies unless grad already is `prec`; then the in-place steps below act on grad itself, which is fine:
   // grad is either the destination (all-reduce form) or scratch (reduce-scatter form).

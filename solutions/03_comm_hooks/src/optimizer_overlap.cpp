@@ -50,7 +50,7 @@ void OverlappedOptimizer::step_bucket(const at::Tensor& flat) {
   entry.start_ns = now_ns();
   // A bucket's parameters are those whose gradient slot lies in its slice of the flat buffer: BucketedDDP made
   // every .grad() share that memory (stage 02's layout), so an address range identifies them without any index.
-  // BEGIN SOLUTION(03): step each parameter whose gradient lies in `flat` (in parameter order), listing it in the entry
+  // BEGIN SOLUTION(03): step the parameters whose gradients lie in `flat` and note them in the entry
   const auto* begin = static_cast<const char*>(flat.data_ptr());
   const auto* end = begin + flat.numel() * static_cast<int64_t>(flat.element_size());
   for (size_t i = 0; i < params_.size(); ++i) {

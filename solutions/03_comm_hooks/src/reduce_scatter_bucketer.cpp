@@ -163,7 +163,7 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
   if (input.numel() % world != 0)
     fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " + std::to_string(input.numel()) +
          " elements, not a multiple of " + std::to_string(world));
-  // BEGIN SOLUTION(03): send a large input at once, or copy a small one into its bucket (launched first when full)
+  // BEGIN SOLUTION(03): queue one input for a reduce-scatter of at most the cap's bytes; never wait
   const int64_t shard = input.numel() / world;
   if (shard > shard_capacity(dtype, world)) {
     launch_large(input, shard, comm, std::move(callback));
@@ -181,7 +181,7 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
 }
 
 void ReduceScatterBucketer::flush() {
-  // BEGIN SOLUTION(03): launch the partial buckets, wait for each in launch order, run the callbacks, recycle buffers
+  // BEGIN SOLUTION(03): settle everything queued: each callback after its collective, every buffer back, even on failure
   for (size_t i = 0; i < buckets_.size(); ++i) launch(i);
   std::vector<InFlight> done = std::move(in_flight_);
   in_flight_.clear();

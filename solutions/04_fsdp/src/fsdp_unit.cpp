@@ -273,7 +273,7 @@ void FsdpUnit::finish_unshard() {
   all_gather_.wait();  // what the host waits for is recorded: it is exposed communication
   comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
   meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes());
-  // BEGIN SOLUTION(04): give the gathered buffer its bytes, copy out into it, drop the all-gather's buffers
+  // BEGIN SOLUTION(04): every parameter holds its full value; nothing of the all-gather is kept
   regrow_storage(gathered_, gathered_capacity_bytes());
   {
     at::NoGradGuard no_grad;
@@ -368,7 +368,7 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   at::Tensor output = new_buffer(grad_row_numel_, dtypes_.reduce);
   const int64_t transient = reduce_bytes();  // with the reducer's copies
   meter_.allocate(MemoryKind::kGrads, transient);
-  // BEGIN SOLUTION(04): rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them
+  // BEGIN SOLUTION(04): fill `input` from the unsharded gradients (reducer.h: its layout); they are freed
   for (size_t k = 0; k < params_.size(); ++k) {
     const FsdpParam& fp = params_[k];
     if (!fp.trainable) continue;

@@ -35,7 +35,7 @@ int64_t ShardSpec::first_row_of(int rank) const {
 }
 
 int64_t ShardSpec::rows_of(int rank) const {
-  // BEGIN SOLUTION(04): real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows
+  // BEGIN SOLUTION(04): real rows of rank's chunk (the sheet's torch.chunk table)
   return std::clamp<int64_t>(rows() - static_cast<int64_t>(rank) * padded_rows, 0, padded_rows);
   // END SOLUTION
 }

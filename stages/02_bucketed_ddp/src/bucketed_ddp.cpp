@@ -82,8 +82,8 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   // The buffers live on the parameters' device (the constructor checked there is one): a bucket is reduced where
   // its gradients are, with no copy. A gradient that exists already (a rebuild runs at the next forward, after the
   // optimizer may have used, or the user may have kept, the gradients) keeps its values in its new slot.
-  // TODO(stage02): lay the gradients out in one flat buffer per dtype, bucket after bucket, each .grad its slot
-  throw ::shardlab::NotImplemented("02", "lay the gradients out in one flat buffer per dtype, bucket after bucket, each .grad its slot");
+  // TODO(stage02): every .grad a view of its slot in the buckets' flat storage (the layout on the sheet)
+  throw ::shardlab::NotImplemented("02", "every .grad a view of its slot in the buckets' flat storage (the layout on the sheet)");
   // Whatever built the layout (stage 02's task), each parameter's slot must be able to stand for its gradient, and
   // the buckets' sizes must add up to their buffer's.
   for (size_t i = 0; i < params_.size(); ++i)
@@ -277,14 +277,14 @@ void BucketedDDP::reset_iteration() {
 }
 
 void BucketedDDP::mark_ready(size_t index) {
-  // TODO(stage02): count the parameter off its bucket; launch every complete bucket, strictly in bucket order
-  throw ::shardlab::NotImplemented("02", "count the parameter off its bucket; launch every complete bucket, strictly in bucket order");
+  // TODO(stage02): the parameter is ready: buckets go out strictly in bucket order, and none is waited for
+  throw ::shardlab::NotImplemented("02", "the parameter is ready: buckets go out strictly in bucket order, and none is waited for");
 }
 
 std::vector<size_t> BucketedDDP::finish_backward() {
   std::vector<size_t> unused;
-  // TODO(stage02): launch what is left (missing parameters as their slots are), wait for all, start afresh
-  throw ::shardlab::NotImplemented("02", "launch what is left (missing parameters as their slots are), wait for all, start afresh");
+  // TODO(stage02): every bucket reduced, missing parameters too; nothing in flight; ready for the next backward
+  throw ::shardlab::NotImplemented("02", "every bucket reduced, missing parameters too; nothing in flight; ready for the next backward");
   return unused;
 }
 

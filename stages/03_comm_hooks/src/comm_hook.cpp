@@ -90,14 +90,14 @@ DefaultState::DefaultState(Communicator& c)
 
 Handle allreduce_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output) {
   check_args("allreduce_hook", state, grad, output, Form::kAllReduce);
-  // TODO(stage03): pre-divide grad, all-reduce (SUM) in place, post-divide in the handle's then step
-  throw ::shardlab::NotImplemented("03", "pre-divide grad, all-reduce (SUM) in place, post-divide in the handle's then step");
+  // TODO(stage03): grad holds the group's average once the handle's wait() returns; the hook never blocks
+  throw ::shardlab::NotImplemented("03", "grad holds the group's average once the handle's wait() returns; the hook never blocks");
 }
 
 Handle reduce_scatter_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output) {
   check_args("reduce_scatter_hook", state, grad, output, Form::kReduceScatter);
-  // TODO(stage03): pre-divide grad, reduce-scatter (SUM) into output, post-divide output in the then step
-  throw ::shardlab::NotImplemented("03", "pre-divide grad, reduce-scatter (SUM) into output, post-divide output in the then step");
+  // TODO(stage03): output holds this rank's chunk of the average once wait() returns; never block
+  throw ::shardlab::NotImplemented("03", "output holds this rank's chunk of the average once wait() returns; never block");
 }
 
 namespace {
@@ -106,8 +106,8 @@ namespace {
 Handle low_precision_hook(const char* hook, c10::ScalarType prec, DefaultState& state, const at::Tensor& grad,
                           const at::Tensor& output) {
   check_args(hook, state, grad, output, Form::kAny);
-  // TODO(stage03): cast to low precision, pre-divide, sum in low precision, post-divide and cast back on wait
-  throw ::shardlab::NotImplemented("03", "cast to low precision, pre-divide, sum in low precision, post-divide and cast back on wait");
+  // TODO(stage03): the average computed in `prec`, every division included; the result in grad's or output's dtype
+  throw ::shardlab::NotImplemented("03", "the average computed in `prec`, every division included; the result in grad's or output's dtype");
 }
 
 }  // namespace

@@ -50,8 +50,8 @@ void OverlappedOptimizer::step_bucket(const at::Tensor& flat) {
   entry.start_ns = now_ns();
   // A bucket's parameters are those whose gradient slot lies in its slice of the flat buffer: BucketedDDP made
   // every .grad() share that memory (stage 02's layout), so an address range identifies them without any index.
-  // TODO(stage03): step each parameter whose gradient lies in `flat` (in parameter order), listing it in the entry
-  throw ::shardlab::NotImplemented("03", "step each parameter whose gradient lies in `flat` (in parameter order), listing it in the entry");
+  // TODO(stage03): step the parameters whose gradients lie in `flat` and note them in the entry
+  throw ::shardlab::NotImplemented("03", "step the parameters whose gradients lie in `flat` and note them in the entry");
   if (entry.params.empty() && flat.numel() > 0)
     throw std::invalid_argument("OverlappedOptimizer::step_bucket: no parameter's gradient lies in the given " +
                                 std::to_string(flat.numel()) +

@@ -163,13 +163,13 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
   if (input.numel() % world != 0)
     fail("expected comm.size() * n elements (rank r's chunk at [r*n, (r+1)*n)); got " + std::to_string(input.numel()) +
          " elements, not a multiple of " + std::to_string(world));
-  // TODO(stage03): send a large input at once, or copy a small one into its bucket (launched first when full)
-  throw ::shardlab::NotImplemented("03", "send a large input at once, or copy a small one into its bucket (launched first when full)");
+  // TODO(stage03): queue one input for a reduce-scatter of at most the cap's bytes; never wait
+  throw ::shardlab::NotImplemented("03", "queue one input for a reduce-scatter of at most the cap's bytes; never wait");
 }
 
 void ReduceScatterBucketer::flush() {
-  // TODO(stage03): launch the partial buckets, wait for each in launch order, run the callbacks, recycle buffers
-  throw ::shardlab::NotImplemented("03", "launch the partial buckets, wait for each in launch order, run the callbacks, recycle buffers");
+  // TODO(stage03): settle everything queued: each callback after its collective, every buffer back, even on failure
+  throw ::shardlab::NotImplemented("03", "settle everything queued: each callback after its collective, every buffer back, even on failure");
 }
 
 void ReduceScatterBucketer::teardown() {

@@ -249,8 +249,8 @@ void FsdpUnit::finish_unshard() {
   all_gather_.wait();  // what the host waits for is recorded: it is exposed communication
   comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
   meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes());
-  // TODO(stage04): give the gathered buffer its bytes, copy out into it, drop the all-gather's buffers
-  throw ::shardlab::NotImplemented("04", "give the gathered buffer its bytes, copy out into it, drop the all-gather's buffers");
+  // TODO(stage04): every parameter holds its full value; nothing of the all-gather is kept
+  throw ::shardlab::NotImplemented("04", "every parameter holds its full value; nothing of the all-gather is kept");
   meter_.release(MemoryKind::kParams, transient);
   emit(UnitEventKind::kFinishUnshard);
 }
@@ -334,8 +334,8 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   at::Tensor output = new_buffer(grad_row_numel_, dtypes_.reduce);
   const int64_t transient = reduce_bytes();  // with the reducer's copies
   meter_.allocate(MemoryKind::kGrads, transient);
-  // TODO(stage04): rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them
-  throw ::shardlab::NotImplemented("04", "rank-major layout of the unsharded gradients (row r = rank r's padded chunks), then free them");
+  // TODO(stage04): fill `input` from the unsharded gradients (reducer.h: its layout); they are freed
+  throw ::shardlab::NotImplemented("04", "fill `input` from the unsharded gradients (reducer.h: its layout); they are freed");
   Handle reduced = (*reducer_)(input.view({-1}), output);
   emit(UnitEventKind::kReduceLaunched);
   // See Note [A reduction's bytes, phase by phase].

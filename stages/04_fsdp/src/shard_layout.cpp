@@ -32,8 +32,8 @@ int64_t ShardSpec::first_row_of(int rank) const {
 }
 
 int64_t ShardSpec::rows_of(int rank) const {
-  // TODO(stage04): real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows
-  throw ::shardlab::NotImplemented("04", "real rows of rank's chunk: what is left of d0 after the earlier chunks, at most padded_rows");
+  // TODO(stage04): real rows of rank's chunk (the sheet's torch.chunk table)
+  throw ::shardlab::NotImplemented("04", "real rows of rank's chunk (the sheet's torch.chunk table)");
 }
 
 std::vector<int64_t> ShardSpec::shard_sizes(int rank) const {

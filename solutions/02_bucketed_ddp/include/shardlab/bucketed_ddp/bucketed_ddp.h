@@ -148,8 +148,8 @@ class BucketedDDP {
   /// bucket that may now go, in bucket order, without waiting.
   /// @throws std::logic_error naming the parameter when it was already marked in this backward.
   void mark_ready(size_t index);
-  /// The end of a synchronized backward: marks every parameter that is not ready yet (its slot is reduced as it
-  /// is), waits for every bucket in launch order, and starts a fresh backward.
+  /// The end of a synchronized backward: every bucket has been reduced, including the slots of parameters never
+  /// marked ready (reduced as they are), and waited for; nothing is in flight, and the next backward starts fresh.
   /// @return the parameters that had not been marked ready, in index order.
   std::vector<size_t> finish_backward();
   /// Waits for every bucket launched in this backward (a backward cut short, and the destructor); launches nothing.
