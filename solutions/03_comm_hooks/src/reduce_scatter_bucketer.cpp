@@ -181,7 +181,7 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
 }
 
 void ReduceScatterBucketer::flush() {
-  // BEGIN SOLUTION(03): settle everything queued: each callback after its collective, every buffer back, even on failure
+  // BEGIN SOLUTION(03): settle all that is queued: callbacks after their collectives, buffers back, even on failure
   for (size_t i = 0; i < buckets_.size(); ++i) launch(i);
   std::vector<InFlight> done = std::move(in_flight_);
   in_flight_.clear();

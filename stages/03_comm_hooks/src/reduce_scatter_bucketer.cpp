@@ -168,8 +168,8 @@ void ReduceScatterBucketer::reduce_scatter_async(const at::Tensor& input, Commun
 }
 
 void ReduceScatterBucketer::flush() {
-  // TODO(stage03): settle everything queued: each callback after its collective, every buffer back, even on failure
-  throw ::shardlab::NotImplemented("03", "settle everything queued: each callback after its collective, every buffer back, even on failure");
+  // TODO(stage03): settle all that is queued: callbacks after their collectives, buffers back, even on failure
+  throw ::shardlab::NotImplemented("03", "settle all that is queued: callbacks after their collectives, buffers back, even on failure");
 }
 
 void ReduceScatterBucketer::teardown() {
