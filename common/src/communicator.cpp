@@ -104,7 +104,17 @@ bool gloo_supports(c10::ScalarType t) {
   }
 }
 
-const char* reduce_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "avg"; }
+const char* reduce_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMax:
+      return "max";
+  }
+  return "?";
+}
 
 // Tier 3 of Note [Three error tiers]: legal, but more bytes than the user may think.
 void warn_bf16_sent_as_f32(const char* op) {
@@ -451,7 +461,9 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   if (bf16_fallback) warn_bf16_sent_as_f32("all_reduce");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
   c10d::AllreduceOptions opts;
-  opts.reduceOp = (op == ReduceOp::kAvg && native_avg) ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  opts.reduceOp = op == ReduceOp::kMax                   ? c10d::ReduceOp::MAX
+                  : (op == ReduceOp::kAvg && native_avg) ? c10d::ReduceOp::AVG
+                                                         : c10d::ReduceOp::SUM;
   opts.timeout = timeout_;
   const size_t idx = record("all_reduce", "all_reduce", t, wire, &op);
   std::vector<at::Tensor> tensors{wire};
@@ -535,6 +547,8 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
     throw std::invalid_argument(
         "reduce_scatter: input must have world_size * output.numel() = " + std::to_string(size_ * output.numel()) +
         " elements; got " + std::to_string(input.numel()));
+  if (op == ReduceOp::kMax)
+    throw std::invalid_argument("reduce_scatter: expected ReduceOp::kSum or kAvg; got kMax (all_reduce only)");
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));

@@ -4,6 +4,7 @@
 
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
+#include "shardlab/common/grad_clip.h"
 
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
@@ -48,6 +49,7 @@ ReferenceResult train_reference(const TrainConfig& config) {
     compat::zero_grad(*optimizer);
     at::Tensor loss = model->loss(data->global_batch(step, config.global_batch).to(device));
     loss.backward();
+    if (config.clip_norm > 0) clip_grad_norm(model->parameters(), config.clip_norm, config.clip_p, nullptr);
     optimizer->step();
     result.losses.push_back(loss.item<double>());
   }

@@ -6,6 +6,7 @@
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
+#include "support/clipping.h"
 #include "support/device.h"
 #include "support/failing_backend.h"
 #include "support/gradients.h"
@@ -133,7 +134,8 @@ TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) 
         NaiveDDP ddp(model, comm);
         for (const auto& p : model->parameters()) after[comm.rank()].push_back(p.detach().clone());
         for (const auto& b : model->buffers()) buffers[comm.rank()].push_back(b.detach().clone());
-        broadcasts[comm.rank()] = comm.recorder().size();
+        for (const auto& c : comm.recorder().snapshot())  // besides the model check's all-gather, which comes first
+          if (c.op == "broadcast") ++broadcasts[comm.rank()];
         if (comm.rank() == 0) {
           for (const auto& item : model->named_parameters()) param_names.push_back(item.key());
           for (const auto& item : model->named_buffers()) buffer_names.push_back(item.key());
@@ -245,6 +247,39 @@ TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
   }
 }
 
+// Clipping after the average (NaiveDDP::clip_grad_norm): every rank holds the whole averaged gradient, so no
+// collective runs, every rank gets the same norm, and training with a bound that binds matches the clipped single
+// device, in the 2-norm and the max norm. Inside no_sync the gradients are a rank's own: refused.
+TEST(NaiveDDP, ClippingMatchesTheClippedSingleDeviceWithoutACollective) {
+  TrainConfig base;
+  base.model = "mlp";
+  base.steps = 4;
+  base.micro_batches = 2;
+  for (const double p : {2.0, test_support::kInfNorm})
+    expect_matches_reference(2, test_support::binding_clip(base, 0.01, p));
+  std::vector<double> norms(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 3);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 3);
+        const Batch batch = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+        {
+          auto scope = ddp.no_sync();
+          ddp.loss(batch).backward();
+          EXPECT_THROW(ddp.clip_grad_norm(1.0), std::logic_error) << "inside no_sync";
+        }
+        ddp.loss(batch).backward();
+        const size_t marker = comm.recorder().size();
+        norms[comm.rank()] = ddp.clip_grad_norm(1e9);
+        EXPECT_EQ(comm.recorder().size(), marker) << "rank " << comm.rank() << ": clipping DDP's gradients ran a "
+                                                  << "collective; every rank already holds the whole gradient";
+      },
+      test_group());
+  EXPECT_EQ(norms[0], norms[1]) << "every rank computes the same norm";
+}
+
 TEST(NaiveDDP, TiedEmbeddingIsReducedOnce) {
   run_ranks(
       2,
@@ -333,6 +368,33 @@ TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) 
   EXPECT_EQ(launched[0], reduced) << "one all-reduce per gradient accumulated before the throw";
   EXPECT_GT(reduced, 0u);
   EXPECT_LT(reduced, names.size()) << "the throw came before the first layer's weight";
+}
+
+// Ranks whose models differ are stopped before any broadcast pairs the wrong tensors (broadcast_state compares the
+// structures first: Note [Comparing the ranks' models]); every rank throws the same std::invalid_argument. First
+// equal models, which must construct.
+TEST(NaiveDDP, ARankWhoseModelDiffersIsStoppedBeforeAnyBroadcast) {
+  std::vector<std::string> errors(2);
+  std::vector<std::vector<CollectiveRecord>> seen(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        NaiveDDP equal(make_model("mlp", 1 + comm.rank()), comm);
+        const size_t marker = comm.recorder().size();
+        try {
+          NaiveDDP ddp(make_model(comm.rank() == 0 ? "mlp" : "edge", 1), comm);
+        } catch (const std::invalid_argument& e) {
+          errors[comm.rank()] = e.what();
+        }
+        seen[comm.rank()] = comm.recorder().since(marker);
+      },
+      test_group());
+  std::cout << "rank 0: " << errors[0] << "\n";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("the ranks' models differ"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_EQ(errors[r], errors[0]) << "every rank throws the same message";
+    for (const auto& c : seen[r]) EXPECT_EQ(c.op, "all_gather") << "rank " << r << ": a " << c.op << " ran";
+  }
 }
 
 // Task 1: collectives are paired by position, so every rank issues the same broadcasts in the same order. The edge

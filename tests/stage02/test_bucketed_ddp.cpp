@@ -8,6 +8,7 @@
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/clipping.h"
 #include "support/device.h"
 #include "support/gradients.h"
 #include "support/group.h"
@@ -647,6 +648,28 @@ TEST(BucketedDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesAndFrozenPa
     EXPECT_EQ(ddp->parameters().size(), trainable_parameters(*model).size());
     return ddp;
   });
+}
+
+// Clipping after the buckets' averages (BucketedDDP::clip_grad_norm): no collective; a bound that binds trains
+// like the clipped single device, in the 2-norm and the max norm, with three buckets.
+TEST(BucketedDDP, ClippingMatchesTheClippedSingleDevice) {
+  TrainConfig base;
+  base.model = "mlp";
+  base.steps = 4;
+  for (const double p : {2.0, test_support::kInfNorm}) {
+    const TrainConfig c = test_support::binding_clip(base, 0.01, p);
+    const ReferenceResult ref = train_reference(c);
+    Options options;
+    options.caps = mlp_caps(3);
+    std::vector<std::vector<at::Tensor>> finals(2);
+    run_ranks(
+        2, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c, options); }, test_group());
+    for (int r = 0; r < 2; ++r) {
+      const double diff = max_abs_diff(finals[r], ref.params);
+      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
+      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
+    }
+  }
 }
 
 TEST(BucketedDDP, RejectsNonPositiveCaps) {

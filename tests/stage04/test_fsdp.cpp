@@ -6,9 +6,11 @@
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/flat_storage.h"
+#include "shardlab/common/grad_clip.h"
 #include "shardlab/common/reference.h"
 #include "shardlab/common/thread_ranks.h"
 
+#include "support/clipping.h"
 #include "support/device.h"
 #include "support/train_replica.h"
 
@@ -22,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <iostream>
 #include <set>
 #include <sstream>
@@ -280,6 +283,64 @@ TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
         }
       },
       test_group());
+}
+
+// Clipping the shards by the whole model's norm (FullyShardedModel::clip_grad_norm, Note [A norm over shards]):
+// one all-reduce of one double per call (SUM of |g|^p; MAX for the max norm), the same norm on every rank as the
+// single device's full gradient (rtol 1e-6; exact for the max norm), and training with a bound that binds matches
+// the clipped single device. At 3 ranks the tiny GPT's shards are padded: padding must count nothing.
+TEST(FullyShardedModel, ClippingJoinsTheShardsNormsInOneAllReduceAndMatchesTheClippedSingleDevice) {
+  TrainConfig base;
+  base.model = "tiny_gpt";
+  base.steps = 3;
+  base.global_batch = 6;
+  base.seed = 13;
+  const int world = 3;
+  for (const double p : {2.0, test_support::kInfNorm}) {
+    const TrainConfig c = test_support::binding_clip(base, 0.05, p);
+    const ReferenceResult ref = train_reference(c);
+    // The single device's norm of the first step's full gradient.
+    auto one = make_model(c, at::kCPU);
+    one->loss(make_dataset(c.model, c.seed)->global_batch(0, c.global_batch)).backward();
+    const double want = total_grad_norm(one->parameters(), p, nullptr);
+    std::vector<std::vector<at::Tensor>> finals(world);
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          auto model = make_model(c, at::kCPU);
+          FullyShardedModel fsdp(model, comm);
+          auto data = make_dataset(c.model, c.seed);
+          fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), world)).backward();
+          const size_t marker = comm.recorder().size();
+          const double got = fsdp.clip_grad_norm(1e9, p);
+          const auto records = comm.recorder().since(marker);
+          EXPECT_NEAR(got, want, std::isinf(p) ? 0.0 : 1e-6 * want)
+              << "rank " << comm.rank() << " p " << p << ": the norm over the shards differs from one device's";
+          ASSERT_EQ(records.size(), 1u) << "rank " << comm.rank() << ": one all-reduce joins the shards' norms";
+          EXPECT_EQ(records[0].op, "all_reduce");
+          EXPECT_EQ(records[0].numel, 1);
+          EXPECT_EQ(records[0].reduce, std::isinf(p) ? "max" : "sum");
+          {
+            auto scope = fsdp.no_sync();
+            EXPECT_THROW(fsdp.clip_grad_norm(1.0, p), std::logic_error) << "inside no_sync";
+          }
+        },
+        test_group());
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          auto model = make_model(c, at::kCPU);
+          FullyShardedModel fsdp(model, comm);
+          test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
+          finals[comm.rank()] = on_cpu(fsdp.full_parameters());
+        },
+        test_group());
+    for (int r = 0; r < world; ++r) {
+      const double diff = max_abs_diff(finals[r], ref.params);
+      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
+      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
+    }
+  }
 }
 
 TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
@@ -1011,6 +1072,58 @@ TEST(FullyShardedModel, InsideNoSyncEveryUnitsGradientsAreStashedInTheReduceDtyp
         for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().scalar_type(), at::kFloat);
       },
       test_group());
+}
+
+// A user's model whose rank 1 builds its first layer a row or two larger than the other ranks' (at world size 3,
+// [3, 7] against [2, 7] pads to the same shard size, so FSDP trained on silently; [4, 7] made the first all-gather
+// fail on Gloo's thread and abort the process). The ranks' structures are compared before anything else is issued
+// (Note [Comparing the ranks' models], through broadcast_state): every rank throws the same error naming the
+// parameter, the ranks and both shapes, and only the check's own all-gathers ran. The equal case trains a step.
+TEST(FullyShardedModel, ARankWhoseModelDiffersIsStoppedAtConstructionOnEveryRank) {
+  struct UserNet : Model {
+    explicit UserNet(int64_t rows) {
+      block = register_unit("block", torch::nn::Linear(7, rows).ptr());
+      head = register_module("head", torch::nn::Linear(rows, 2));
+    }
+    at::Tensor loss(const Batch& b) override { return head->forward(block(b.input)).pow(2).mean(); }
+    UnitRef<torch::nn::LinearImpl> block;
+    torch::nn::Linear head{nullptr};
+  };
+  const int world = 3;
+  for (const int64_t extra : {0, 1, 2}) {
+    SCOPED_TRACE("rank 1's block has " + std::to_string(extra) + " more row(s)");
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          auto model = std::make_shared<UserNet>(comm.rank() == 1 ? 2 + extra : 2);
+          const size_t marker = comm.recorder().size();
+          std::string error;
+          try {
+            FullyShardedModel fsdp(model, comm);
+            Batch b;
+            b.input = at::ones({2, 7});
+            b.target = at::zeros({2}, at::kLong);
+            fsdp.loss(b).backward();
+          } catch (const std::invalid_argument& e) {
+            error = e.what();
+          }
+          if (extra == 0) {
+            EXPECT_EQ(error, "") << "rank " << comm.rank() << ": equal models must construct and train";
+            return;
+          }
+          if (comm.rank() == 0) std::cout << "rank 0: " << error << "\n";
+          for (const std::string piece : {std::string("'block.weight'"), "sizes [" + std::to_string(2 + extra) + ", 7]",
+                                          std::string("sizes [2, 7]"), std::string("rank 1 has")})
+            EXPECT_NE(error.find(piece), std::string::npos)
+                << "rank " << comm.rank() << ": expected \"" << piece << "\" in the error: '" << error << "'";
+          for (const auto& r : comm.recorder().since(marker))
+            EXPECT_EQ(r.op, "all_gather") << "rank " << comm.rank() << ": a " << r.op << " of " << r.numel
+                                          << " elements ran before the models were compared";
+          for (const auto& p : model->parameters())
+            EXPECT_GT(storage_bytes(p), 0) << "the model must be left as it was";
+        },
+        test_group());
+  }
 }
 
 TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFixItNamesTrains) {

@@ -12,6 +12,7 @@
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/common/world.h"
 
+#include "support/clipping.h"
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/train_replica.h"
@@ -171,6 +172,37 @@ INSTANTIATE_TEST_SUITE_P(Stage06, HsdpEquivalence,
 // Per unit per step, from the record (op, not wire_op): one reduce-scatter of S x row in the shard group and one
 // all-reduce of the row (Σ padded shard numel, padding included) in the replicate group; the all-gathers stay in
 // the shard group; nothing else. The reduce-scatters come in the same unit order as the all-reduces.
+// Clipping under HSDP: the shards' norms are joined over the shard group only (the replicas hold the same shards:
+// joined over the world, each element would count R times and the scale be off by a factor sqrt(R)). A bound that
+// binds trains like the clipped single device on a 2 x 2 mesh, in the 2-norm and the max norm.
+TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSingleDevice) {
+  TrainConfig base;
+  base.model = "mlp";
+  base.steps = 3;
+  base.global_batch = 8;
+  base.seed = 5;
+  for (const double p : {2.0, test_support::kInfNorm}) {
+    const TrainConfig c = test_support::binding_clip(base, 0.01, p);
+    const ReferenceResult ref = train_reference(c);
+    std::vector<std::vector<at::Tensor>> finals(4);
+    run_world(
+        4,
+        [&](World& world) {
+          Mesh mesh(world, 2, 2);
+          auto model = make_model(c, at::kCPU);
+          auto fsdp = fully_shard_hybrid(model, mesh, fsdp::Options{});
+          test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
+          finals[world.rank()] = on_cpu(fsdp->full_parameters());
+        },
+        test_group());
+    for (int r = 0; r < 4; ++r) {
+      const double diff = max_abs_diff(finals[r], ref.params);
+      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
+      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
+    }
+  }
+}
+
 TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUnitPerStep) {
   TrainConfig c;
   c.model = "tiny_gpt";

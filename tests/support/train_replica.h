@@ -11,8 +11,9 @@
 namespace shardlab::test_support {
 
 /// Trains through `ddp` (any wrapper with `loss(Batch)` and `no_sync()`) for `c.steps` steps, the optimizer
-/// stepping `params` (a replica's parameters, or FSDP's shards), with the batches on `device`. `after_step(step)`,
-/// when given, runs after each optimizer step.
+/// stepping `params` (a replica's parameters, or FSDP's shards), with the batches on `device`, clipping through
+/// `ddp.clip_grad_norm` before each step when `c.clip_norm` > 0. `after_step(step)`, when given, runs after each
+/// optimizer step.
 template <typename Wrapper, typename AfterStep = void (*)(int)>
 void train_steps(
     Communicator& comm, const TrainConfig& c, std::vector<at::Tensor> params, const c10::Device& device, Wrapper& ddp,
@@ -31,6 +32,7 @@ void train_steps(
         (ddp.loss(micro[i]) / c.micro_batches).backward();
       }
     }
+    if (c.clip_norm > 0) ddp.clip_grad_norm(c.clip_norm, c.clip_p);
     opt->step();
     after_step(step);
   }

@@ -60,6 +60,12 @@ expect([shardlab, "train", "--steps", "1", "--json", "/nonexistent-dir/run.json"
 expect([shardlab, "train", "--steps", "1", "--json", "/tmp"], 2, "--json expects a file to write; got '/tmp', a directory")
 expect([shardlab, "train", "--backend", "mpi"], 2, "--backend expects one of gloo|nccl; got 'mpi'")
 expect([shardlab, "train", "--comm-yield", "maybe"], 2, "--comm-yield expects one of on|off; got 'maybe'")
+expect([shardlab, "train", "--clip-norm", "-1"], 2, "--clip-norm expects a positive number; got '-1'")
+expect([shardlab, "train", "--clip-norm", "1", "--clip-norm-type", "1"], 2,
+       "--clip-norm-type expects one of 2|inf; got '1'")
+expect([shardlab, "train", "--clip-norm-type", "inf"], 2, "--clip-norm-type chooses the norm --clip-norm bounds")
+expect([shardlab, "train", "--strategy", "overlap_optimizer", "--clip-norm", "1"], 2,
+       "--clip-norm needs the whole gradient before any parameter steps; strategy overlap_optimizer")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
 expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")
 # Checked once by the driver, before any rank starts (this machine may or may not have CUDA).

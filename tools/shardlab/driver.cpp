@@ -211,7 +211,11 @@ void print_report(const RunReport& r) {
   std::cout << "\nshardlab train: " << r.strategy << " (" << r.description << ")\n"
             << "  model " << r.train.model << ", world size " << r.world_size << ", global batch "
             << r.train.global_batch << ", micro-batches " << r.train.micro_batches << ", " << r.train.optimizer
-            << " lr " << r.train.lr << ", seed " << r.train.seed << ", " << r.train.device << " over " << r.backend
+            << " lr " << r.train.lr
+            << (r.train.clip_norm > 0 ? ", clip norm " + std::to_string(r.train.clip_norm) +
+                                            (std::isinf(r.train.clip_p) ? " (max)" : " (2-norm)")
+                                      : std::string())
+            << ", seed " << r.train.seed << ", " << r.train.device << " over " << r.backend
             << (r.mesh.empty() ? ""
                                : ", mesh " + r.mesh + " (replicas x shards)" +
                                      (r.defer_all_reduce ? ", all-reduce deferred to the last micro-batch" : ""))
@@ -328,6 +332,8 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"steps\": " << r.train.steps << ",\n"
       << pad << "  \"global_batch\": " << r.train.global_batch << ",\n"
       << pad << "  \"micro_batches\": " << r.train.micro_batches << ",\n"
+      << pad << "  \"clip_norm\": " << r.train.clip_norm << ",\n"
+      << pad << "  \"clip_norm_type\": \"" << (std::isinf(r.train.clip_p) ? "inf" : "2") << "\",\n"
       << pad << "  \"seed\": " << r.train.seed << ",\n"
       << pad << "  \"device\": \"" << r.train.device << "\",\n"
       << pad << "  \"backend\": \"" << r.backend << "\",\n"

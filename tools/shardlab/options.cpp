@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -114,6 +116,10 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.train.lr = parse_double(flag, v);
     else if (flag == "--micro-batches")
       o.train.micro_batches = static_cast<int>(parse_int(flag, v, 1, 1024));
+    else if (flag == "--clip-norm")
+      o.train.clip_norm = parse_double(flag, v);
+    else if (flag == "--clip-norm-type")
+      o.train.clip_p = one_of(flag, v, {"2", "inf"}) == "inf" ? std::numeric_limits<double>::infinity() : 2.0;
     else if (flag == "--json")
       o.json = v;
     else if (flag == "--timeout")
@@ -209,6 +215,13 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
         "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
         "hook_* strategies; got strategy '" +
         o.strategy + "', which has none");
+  if (allow_strategy && o.strategy == "overlap_optimizer" && given(args, "--clip-norm"))
+    throw std::invalid_argument(
+        "--clip-norm needs the whole gradient before any parameter steps; strategy "
+        "overlap_optimizer steps each bucket's parameters inside backward, as its average "
+        "lands (use bucketed_ddp)");
+  if (given(args, "--clip-norm-type") && !given(args, "--clip-norm"))
+    throw std::invalid_argument("--clip-norm-type chooses the norm --clip-norm bounds; got it without --clip-norm");
   for (const char* flag : {"--prefetch-depth", "--prefetch-limit"}) {
     if (allow_strategy && !prefetches(o.strategy) && given(args, flag))
       throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategies fsdp_prefetch and hsdp; got " +
@@ -284,6 +297,12 @@ std::vector<std::string> to_args(const RunOptions& o) {
     args.push_back("--bucket-cap-kb");
     args.push_back("auto");
   }
+  if (o.train.clip_norm > 0) {
+    std::ostringstream bound;
+    bound.precision(17);
+    bound << o.train.clip_norm;
+    args.insert(args.end(), {"--clip-norm", bound.str(), "--clip-norm-type", std::isinf(o.train.clip_p) ? "inf" : "2"});
+  }
   if (!o.trace_dir.empty()) {
     args.push_back("--trace");
     args.push_back(o.trace_dir);
@@ -316,6 +335,8 @@ std::string usage() {
          "  --optimizer O       sgd|adamw                              default sgd\n"
          "  --lr X              learning rate                          default 0.05\n"
          "  --micro-batches M   gradient accumulation per step         default 1\n"
+         "  --clip-norm X       clip the gradients' global norm to X   default off (not with overlap_optimizer)\n"
+         "  --clip-norm-type P  2|inf: the norm --clip-norm bounds     default 2\n"
          "  --bucket-cap-kb N|auto  bucket cap after the first bucket  default 25600 (25 MiB); auto: both caps\n"
          "                      chosen after step 2 from measured all-reduce costs and gradient-ready times,\n"
          "                      starting from the caps given before it (--bucket-cap-kb 32 --bucket-cap-kb auto)\n"

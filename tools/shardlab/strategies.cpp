@@ -6,6 +6,7 @@
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
+#include "shardlab/common/grad_clip.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
@@ -29,6 +30,9 @@ class SingleDevice {
  public:
   explicit SingleDevice(std::shared_ptr<Model> m) : model_(std::move(m)) {}
   at::Tensor loss(const Batch& b) { return model_->loss(b); }
+  double clip_grad_norm(double max_norm, double p) {
+    return shardlab::clip_grad_norm(model_->parameters(), max_norm, p, nullptr);
+  }
   struct Scope {};
   Scope no_sync() { return {}; }
 
@@ -156,6 +160,10 @@ class WrappedRunner : public StepRunner {
       }
     }
     if (optimizer_) {
+      if (config_.clip_norm > 0) {
+        Timeline::Scope span(timeline_, "clip", step);
+        wrapper_->clip_grad_norm(config_.clip_norm, config_.clip_p);
+      }
       Timeline::Scope span(timeline_, "optimizer", step);
       optimizer_->step();
     }
@@ -422,6 +430,10 @@ Traffic sharded_traffic(const Model& model, int world, const StrategyOptions& s,
                       ring_reduce_scatter_pays(world, static_cast<int64_t>(world * u.grad_row * relem));
     const int rows_sent = ring ? world - 1 : world;
     t.bytes += gathers * u.shard * elem + rs * rows_sent * u.grad_row * relem;
+  }
+  if (train.clip_norm > 0 && world > 1) {  // the clip's all-reduce of one double joins the shards' norms
+    t.collectives += 1;
+    t.bytes += 8;
   }
   return t;
 }

@@ -3,6 +3,7 @@
 #include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
+#include "shardlab/common/grad_clip.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>
@@ -82,7 +83,7 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   // The buffers live on the parameters' device (the constructor checked there is one): a bucket is reduced where
   // its gradients are, with no copy. A gradient that exists already (a rebuild runs at the next forward, after the
   // optimizer may have used, or the user may have kept, the gradients) keeps its values in its new slot.
-  // BEGIN SOLUTION(02): every .grad a view of its slot in the buckets' flat storage (the layout on the sheet)
+  // BEGIN SOLUTION(02): every .grad() is its slot in the buckets' flat storage (the layout on the sheet)
   // Offsets first: each bucket is a contiguous slice of its dtype's buffer, in launch order.
   std::map<c10::ScalarType, int64_t> total;
   for (const auto& group : groups) {
@@ -147,6 +148,14 @@ void BucketedDDP::attach_grad(size_t i) {
   else
     slot.zero_();
   grad = slot;
+}
+
+double BucketedDDP::clip_grad_norm(double max_norm, double p) {
+  if (!sync_enabled_)
+    throw std::logic_error(
+        "BucketedDDP::clip_grad_norm: called inside no_sync, where each rank holds its own, unaveraged "
+        "gradients; clip after the synchronized backward that ends the accumulation");
+  return shardlab::clip_grad_norm(params_, max_norm, p, nullptr);
 }
 
 at::Tensor BucketedDDP::loss(const Batch& batch) {

@@ -1,6 +1,8 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include "shardlab/common/errors.h"
+#include "shardlab/common/grad_clip.h"
+#include "shardlab/common/model_check.h"
 
 #include <stdexcept>
 
@@ -29,7 +31,18 @@ at::Tensor NaiveDDP::loss(const Batch& batch) {
   return module_->loss(batch);
 }
 
+double NaiveDDP::clip_grad_norm(double max_norm, double p) {
+  if (!sync_enabled_)
+    throw std::logic_error(
+        "NaiveDDP::clip_grad_norm: called inside no_sync, where each rank holds its own, unaveraged gradients; "
+        "clip after the synchronized backward that ends the accumulation");
+  return shardlab::clip_grad_norm(params_, max_norm, p, nullptr);
+}
+
 void broadcast_state(Model& module, Communicator& comm) {
+  // Ranks whose models differ are stopped here, on every rank, before any broadcast pairs the wrong tensors
+  // (Note [Comparing the ranks' models]).
+  check_same_model(module, comm, "broadcast_state (constructing a wrapper)");
   // All replicas must start identical: every parameter (frozen ones too) and every buffer take rank 0's values.
   // TODO(stage01): broadcast every parameter and buffer from rank 0
   throw ::shardlab::NotImplemented("01", "broadcast every parameter and buffer from rank 0");

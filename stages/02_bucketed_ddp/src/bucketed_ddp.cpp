@@ -3,6 +3,7 @@
 #include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
+#include "shardlab/common/grad_clip.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>
@@ -82,8 +83,8 @@ void BucketedDDP::lay_out(const std::vector<size_t>& order) {
   // The buffers live on the parameters' device (the constructor checked there is one): a bucket is reduced where
   // its gradients are, with no copy. A gradient that exists already (a rebuild runs at the next forward, after the
   // optimizer may have used, or the user may have kept, the gradients) keeps its values in its new slot.
-  // TODO(stage02): every .grad a view of its slot in the buckets' flat storage (the layout on the sheet)
-  throw ::shardlab::NotImplemented("02", "every .grad a view of its slot in the buckets' flat storage (the layout on the sheet)");
+  // TODO(stage02): every .grad() is its slot in the buckets' flat storage (the layout on the sheet)
+  throw ::shardlab::NotImplemented("02", "every .grad() is its slot in the buckets' flat storage (the layout on the sheet)");
   // Whatever built the layout (stage 02's task), each parameter's slot must be able to stand for its gradient, and
   // the buckets' sizes must add up to their buffer's.
   for (size_t i = 0; i < params_.size(); ++i)
@@ -123,6 +124,14 @@ void BucketedDDP::attach_grad(size_t i) {
   else
     slot.zero_();
   grad = slot;
+}
+
+double BucketedDDP::clip_grad_norm(double max_norm, double p) {
+  if (!sync_enabled_)
+    throw std::logic_error(
+        "BucketedDDP::clip_grad_norm: called inside no_sync, where each rank holds its own, unaveraged "
+        "gradients; clip after the synchronized backward that ends the accumulation");
+  return shardlab::clip_grad_norm(params_, max_norm, p, nullptr);
 }
 
 at::Tensor BucketedDDP::loss(const Batch& batch) {

@@ -1,6 +1,7 @@
 #include "shardlab/fsdp/fsdp.h"
 
 #include "shardlab/common/errors.h"
+#include "shardlab/common/grad_clip.h"
 #include "shardlab/common/progress.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
@@ -194,6 +195,14 @@ std::vector<at::Tensor> FullyShardedModel::full_parameters() {
   std::vector<at::Tensor> out;
   for (const auto& [u, k] : order_) out.push_back(full[u][k]);
   return out;
+}
+
+double FullyShardedModel::clip_grad_norm(double max_norm, double p) {
+  if (!sync_enabled_)
+    throw std::logic_error(
+        "FullyShardedModel::clip_grad_norm: called inside no_sync, where the gradients are unsharded and "
+        "unreduced; clip after the synchronized backward that ends the accumulation");
+  return shardlab::clip_grad_norm(parameters(), max_norm, p, &comm_);
 }
 
 at::Tensor FullyShardedModel::loss(const Batch& batch) {

@@ -45,6 +45,10 @@ std::vector<at::Tensor> DataParallel::parameters() {
   return trainable;
 }
 
+double DataParallel::clip_grad_norm(double max_norm, double p) {
+  return sharded_ ? sharded_->clip_grad_norm(max_norm, p) : ddp_->clip_grad_norm(max_norm, p);
+}
+
 std::vector<at::Tensor> DataParallel::full_parameters() {
   if (sharded_) return sharded_->full_parameters();
   std::vector<at::Tensor> out;

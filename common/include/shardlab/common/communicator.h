@@ -4,7 +4,11 @@
 ///
 /// Vocabulary: a *Communicator* is one rank's handle on one process group. Every call is asynchronous and returns
 /// a Handle; nothing is complete until `Handle::wait()` returns. Arguments are validated on the calling thread
-/// before anything is submitted, so a mistake is a C++ exception at the call, never an abort on Gloo's thread.
+/// before anything is submitted, so a mistake one rank can see is a C++ exception at the call. One rank alone cannot
+/// see that another rank issued a different size: Gloo fails such a pair on its own transport thread, which ends
+/// the process. The wrappers size every collective from the model and compare the ranks' models before their first
+/// one (check_same_model, model_check.h); a direct caller must issue the same collectives, of the same sizes, in the
+/// same order on every rank.
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
 /// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to
@@ -28,8 +32,9 @@
 
 namespace shardlab {
 
-/// Reduction applied by all_reduce and reduce_scatter.
-enum class ReduceOp { kSum, kAvg };
+/// Reduction applied by all_reduce and reduce_scatter. kMax (the elementwise maximum: a global gradient norm for
+/// p = infinity) is for all_reduce only.
+enum class ReduceOp { kSum, kAvg, kMax };
 
 class Handle;
 
@@ -204,14 +209,15 @@ class Communicator {
   /// Chooses it. Every rank of the group must choose the same, before the collectives it affects.
   void set_all_gather_algorithm(AllGatherAlgorithm algorithm) { ag_algorithm_ = algorithm; }
 
-  /// In-place all-reduce of `t` over the group. @pre t is contiguous and on the group's device.
+  /// In-place all-reduce of `t` over the group (kSum, kAvg, or kMax). @pre t is contiguous and on the group's
+  /// device.
   Handle all_reduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
   /// In-place broadcast of `t` from rank `root`.
   Handle broadcast(const at::Tensor& t, int root = 0);
   /// Gathers every rank's `input` into `output`, rank r's at [r*n, (r+1)*n), n = input.numel().
   /// @pre output is contiguous, same dtype/device, and output.numel() == size() * input.numel().
   Handle all_gather(const at::Tensor& output, const at::Tensor& input);
-  /// Reduces `input` over the group and leaves chunk `rank()` of the result in `output`.
+  /// Reduces `input` over the group (kSum or kAvg) and leaves chunk `rank()` of the result in `output`.
   /// @pre input.numel() == size() * output.numel(); same dtype and device.
   Handle reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op = ReduceOp::kSum);
   /// Blocks until every rank of the group has called it (recorded as "barrier").

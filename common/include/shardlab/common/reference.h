@@ -25,6 +25,8 @@ struct TrainConfig {
   std::string device = "cpu";          ///< where the model and batches live: "cpu", "cuda", "cuda:N" (see device.h)
   int64_t layers = kDefaultGptLayers;  ///< transformer blocks of "tiny_gpt" (the other models ignore it)
   int64_t dim = kDefaultGptDim;        ///< width of "tiny_gpt" (the other models ignore it)
+  double clip_norm = 0.0;              ///< > 0: before each step, clip the gradients' global norm to it (grad_clip.h)
+  double clip_p = 2.0;                 ///< the norm clip_norm bounds: 2, or infinity
 };
 
 /// Model `config.model` from `config.seed` (tiny_gpt with `config.layers` blocks), initialized on CPU and moved

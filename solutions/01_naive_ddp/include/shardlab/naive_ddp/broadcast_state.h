@@ -11,8 +11,9 @@
 namespace shardlab::naive_ddp {
 
 /// Broadcasts every parameter (frozen ones included) and every buffer of `module` from rank 0 of `comm`, so all
-/// replicas start identical. A collective: every rank must call it with a model of the same structure.
-/// Later stages (bucketed DDP) start their replicas with it too.
+/// replicas start identical. A collective: every rank must call it with a model of the same structure, which it
+/// checks first (check_same_model: one all-gather of a digest). Later stages start their replicas with it too.
+/// @throws std::invalid_argument on every rank when the ranks' models differ, naming the first difference.
 void broadcast_state(Model& module, Communicator& comm);
 
 }  // namespace shardlab::naive_ddp

@@ -67,6 +67,15 @@ class NaiveDDP {
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
 
+  /// Clips the gradients by their global p-norm, as torch.nn.utils.clip_grad_norm_ (grad_clip.h): call it between
+  /// backward and the optimizer's step, on every rank. After a synchronized backward every rank holds the whole
+  /// averaged gradient, so no collective runs and every rank computes the same norm and scale.
+  /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
+  /// @return the total norm before clipping.
+  /// @throws std::logic_error inside no_sync (the gradients are this rank's own, not averaged yet);
+  ///         std::invalid_argument for a negative max_norm or a p that is not positive.
+  double clip_grad_norm(double max_norm, double p = 2.0);
+
  private:
   // ---- Task 2: gradient synchronization. The given code calls these two; the state they share is yours (below).
   /// Called by the GradientReadiness each time autograd has accumulated `params_[index].grad()`, on the backward

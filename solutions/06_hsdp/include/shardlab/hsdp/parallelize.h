@@ -81,6 +81,11 @@ class DataParallel {
   /// Every parameter of the model as one device holds it, registration order. A collective (FSDP and HSDP gather):
   /// every rank calls it.
   std::vector<at::Tensor> full_parameters();
+  /// Clips the gradients by the whole model's p-norm, as PyTorch's clip_grad_norm_ (grad_clip.h): DDP with no
+  /// collective, FSDP and HSDP with one all-reduce over the shard group (replicas counted once). Call it on every
+  /// rank between backward and the optimizer's step. @return the total norm before clipping.
+  /// @throws as BucketedDDP::clip_grad_norm and FullyShardedModel::clip_grad_norm.
+  double clip_grad_norm(double max_norm, double p = 2.0);
   /// HSDP: defers (false) or restores (true) the all-reduce across replicas, for accumulation (see
   /// hsdp::set_requires_all_reduce). @throws std::invalid_argument for DDP and FSDP, which have no such all-reduce.
   void set_requires_all_reduce(bool requires_all_reduce);

@@ -94,6 +94,14 @@ class BucketedDDP {
   [[nodiscard]] naive_ddp::NoSync no_sync() { return naive_ddp::NoSync(sync_enabled_); }
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
+  /// Clips the gradients by their global p-norm, as NaiveDDP::clip_grad_norm: call it between
+  /// backward and the optimizer's step (not with stage 03's overlapped optimizer, which steps inside backward and
+  /// refuses a clipping norm). No collective.
+  /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
+  /// @return the total norm before clipping.
+  /// @throws std::logic_error inside no_sync (the gradients are this rank's own, not averaged yet);
+  ///         std::invalid_argument for a negative max_norm or a p that is not positive.
+  double clip_grad_norm(double max_norm, double p = 2.0);
 
   /// The trainable parameters, in registration order (bucket indices refer to these).
   const std::vector<at::Tensor>& parameters() const { return params_; }
@@ -153,6 +161,8 @@ class BucketedDDP {
   /// @return the parameters that had not been marked ready, in index order.
   std::vector<size_t> finish_backward();
   /// Waits for every bucket launched in this backward (a backward cut short, and the destructor); launches nothing.
+  /// Afterwards no bucket of this backward is in flight or kept, even when a wait threw (a failed Handle rethrows
+  /// its error at every later wait: one kept would fail every later step).
   void wait_launched();
 
   std::shared_ptr<Model> module_;

@@ -186,6 +186,16 @@ class FullyShardedModel {
   [[nodiscard]] naive_ddp::NoSync no_sync() { return naive_ddp::NoSync(sync_enabled_); }
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
+  /// Clips the sharded gradients by the global p-norm of the whole model's gradient, as PyTorch's clip_grad_norm_
+  /// on an FSDP2 module: each rank sums |g|^p over its own rows (padding holds no gradient), one all-reduce (SUM;
+  /// MAX for p = infinity) over the group passed at construction joins them (HSDP: the shard group, so replicas
+  /// are not counted twice), and every rank scales its rows alike. See Note [A norm over shards]. A collective:
+  /// call it on every rank, between backward and the optimizer's step.
+  /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
+  /// @return the total norm before clipping, the same on every rank.
+  /// @throws std::logic_error inside no_sync (the gradients are not reduced and sharded yet);
+  ///         std::invalid_argument for a negative max_norm or a p that is not positive.
+  double clip_grad_norm(double max_norm, double p = 2.0);
 
   /// The units: the model's units in registration order, then the root (when it has parameters).
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
