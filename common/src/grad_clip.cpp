@@ -18,7 +18,8 @@ namespace shardlab {
 // never a gradient); HSDP's replicas hold the same shards again, so the join runs over the shard group only (else
 // the sum would count each element R times); DDP's ranks each hold the whole, averaged gradient, so there is
 // nothing to join. The partial sums are taken in float64: the all-reduce then adds N doubles in some order, which
-// changes the result by a few ulps of a double, far below the float32 the gradients are in; p = infinity is exact.
+// changes the result by a few ulps of a double, far below the float32 the gradients are in; p = infinity is exact
+// over the same gradients (a sharded run's gradients differ from one device's by the reductions' rounding).
 // The scale is PyTorch's: max_norm / (total + 1e-6), clamped to at most 1, applied in place to every gradient.
 
 namespace {
@@ -41,8 +42,9 @@ double total_grad_norm(const std::vector<at::Tensor>& params, double p, Communic
     if (!seen.insert(param.unsafeGetTensorImpl()).second) continue;
     const at::Tensor& g = param.grad();
     if (!g.defined() || g.numel() == 0) continue;
-    const at::Tensor a = g.detach().to(at::kDouble).abs();
-    const at::Tensor part = inf ? a.max() : (p == 2.0 ? a.square() : a.pow(p)).sum();
+    // This tensor's norm, accumulated in float64 (one float64 copy of it, transient), then its share of the total.
+    const at::Tensor norm = at::linalg_vector_norm(g.detach(), p, c10::nullopt, /*keepdim=*/false, at::kDouble);
+    const at::Tensor part = inf ? norm : norm.pow(p);
     local = !local.defined() ? part : (inf ? at::maximum(local, part) : local + part);
   }
   if (!local.defined()) {  // no gradient here: a zero on the parameters' device, for the join
@@ -62,7 +64,9 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, do
     throw std::invalid_argument("clip_grad_norm: expected a finite max_norm >= 0; got " + std::to_string(max_norm));
   const double total = total_grad_norm(params, p, comm);
   const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
+  // PyTorch multiplies by min(coef, 1): nothing changes at 1, and a NaN norm (a NaN gradient) makes every gradient
+  // NaN, as there. Only the multiplication by exactly 1 is skipped.
+  if (!(coef >= 1.0)) {
     at::NoGradGuard no_grad;
     std::set<const c10::TensorImpl*> seen;
     for (const auto& param : params) {

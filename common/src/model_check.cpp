@@ -1,6 +1,7 @@
 #include "shardlab/common/model_check.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
@@ -60,16 +61,16 @@ std::vector<std::string> split_lines(const std::string& text) {
   return out;
 }
 
-// The tensors the check moves travel on the group's device: CPU on Gloo, the parameters' CUDA device on NCCL.
+// The tensors the check moves travel on the group's device: CPU on Gloo; on NCCL the parameters' CUDA device, or
+// the current CUDA device when this rank's model has none (its structure then says "cpu" and differs: the check
+// must still run, so that every rank hears of it, rather than this rank throwing alone).
 c10::Device check_device(const Model& model, const Communicator& comm) {
   if (comm.kind() != BackendKind::kNccl) return c10::Device(c10::kCPU);
   for (const auto& p : model.parameters(/*recurse=*/true))
     if (p.is_cuda()) return p.device();
   for (const auto& b : model.buffers(/*recurse=*/true))
     if (b.is_cuda()) return b.device();
-  throw std::invalid_argument(
-      "model check: an NCCL group moves CUDA tensors only, and the model has no CUDA "
-      "parameter or buffer; move the model to this rank's GPU before wrapping it");
+  return c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
 }
 
 std::string rank_list(const std::vector<int>& ranks) {
@@ -109,11 +110,17 @@ std::string describe_difference(const std::vector<std::vector<std::string>>& all
 }  // namespace
 
 std::vector<std::string> model_structure(const Model& model) {
+  // One entry per line of the text the check compares: a name holding a line break keeps it, escaped.
+  auto quoted = [](const std::string& name) {
+    std::string q = "'";
+    for (const char c : name) q += c == '\n' ? std::string("\\n") : std::string(1, c);
+    return q + "'";
+  };
   std::vector<std::string> out;
   for (size_t u = 0; u < model.units().size(); ++u)
-    out.push_back("unit " + std::to_string(u) + " '" + model.units()[u].name + "'");
-  auto describe = [](const char* kind, const std::string& name, const at::Tensor& t, bool with_grad) {
-    std::string s = std::string(kind) + " '" + name + "': ";
+    out.push_back("unit " + std::to_string(u) + " " + quoted(model.units()[u].name));
+  auto describe = [&](const char* kind, const std::string& name, const at::Tensor& t, bool with_grad) {
+    std::string s = std::string(kind) + " " + quoted(name) + ": ";
     if (!t.defined()) return s + "undefined";
     s += "sizes " + c10::str(t.sizes()) + ", " + std::string(c10::toString(t.scalar_type())) + ", " +
          c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
@@ -144,8 +151,8 @@ void check_same_model(const Model& model, Communicator& comm, const std::string&
     } catch (const std::exception& e) {
       throw std::runtime_error(who + ": rank " + std::to_string(comm.rank()) + " of group '" + comm.name() +
                                "' could not compare its model with the other ranks' (" + what +
-                               "): every rank must construct the wrapper at the same point; a rank that never "
-                               "arrives fails here after the group's timeout. " +
+                               "): every rank must construct the wrapper at the same point (a rank that never "
+                               "arrives fails the others after the group's timeout). " +
                                e.what());
     }
   };

@@ -80,7 +80,7 @@ TEST(GradClip, AShardedNormEqualsTheNormOfTheFullGradientWithOneAllReduce) {
   }
 }
 
-TEST(GradClip, WithoutAGroupNothingIsCommunicatedAndATiedWeightCountsOnce) {
+TEST(GradClip, ATiedWeightListedTwiceCountsOnce) {
   const auto full = full_grads();
   std::vector<at::Tensor> params;
   for (const auto& g : full) params.push_back(shard_param(g, 0, 1));

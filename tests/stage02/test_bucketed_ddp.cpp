@@ -13,6 +13,7 @@
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
+#include "support/refusal.h"
 #include "support/train_replica.h"
 #include "support/watched_backend.h"
 
@@ -648,6 +649,25 @@ TEST(BucketedDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesAndFrozenPa
     EXPECT_EQ(ddp->parameters().size(), trainable_parameters(*model).size());
     return ddp;
   });
+}
+
+// The ranks' models are compared first thing in the constructor, before the checks a rank could fail alone: here
+// rank 1 freezes every parameter ("no trainable parameter" on rank 1 only, while rank 0 would go on to its
+// broadcasts). Every rank must throw the same error naming the first difference, after the check's all-gathers only.
+// First equal models, which must construct.
+TEST(BucketedDDP, ARankWhoseModelWouldFailALocalCheckIsStoppedOnEveryRankByTheComparison) {
+  std::vector<test_support::Refusal> seen(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        BucketedDDP equal(make_model("mlp", 1 + comm.rank()), comm);
+        auto model = make_model("mlp", 1);
+        if (comm.rank() == 1)
+          for (auto& p : model->parameters()) p.requires_grad_(false);
+        seen[comm.rank()] = test_support::refusal_of(comm, [&] { BucketedDDP ddp(model, comm); });
+      },
+      test_group());
+  test_support::expect_same_refusal(seen, {"frozen"});
 }
 
 // Clipping after the buckets' averages (BucketedDDP::clip_grad_norm): no collective; a bound that binds trains

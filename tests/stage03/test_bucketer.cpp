@@ -321,7 +321,7 @@ TEST(Bucketer, RejectsBadInputsClearly) {
       test_group());
 }
 
-// Nothing waits when something is launched: rank 0 makes its calls while the other rank waits for them to return (5 s
+// Nothing waits when something is launched: rank 0 makes its calls while the other rank waits for them to return (30 s
 // at most) before it makes its own, so none of rank 0's collectives can have completed. On the way: an input whose
 // shard equals the capacity fits (it is not large), and a bucket that is merely full is not launched until an input
 // does not fit in it.
@@ -348,11 +348,11 @@ TEST(Bucketer, LaunchingABucketOrALargeInputNeverWaits) {
           calls();
           returned = true;
         } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
           while (!returned && std::chrono::steady_clock::now() < deadline)
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
           EXPECT_TRUE(returned) << "rank 0's reduce_scatter_async calls (a bucket launched, a large input launched) "
-                                   "had not returned 5 s later, while rank 1 had issued nothing: launching must not "
+                                   "had not returned 30 s later, while rank 1 had issued nothing: launching must not "
                                    "wait for the collective; only flush() waits";
           calls();
         }

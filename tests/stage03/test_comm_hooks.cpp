@@ -574,7 +574,7 @@ TEST(LowPrecisionHooks, DivideInTheirOwnDtype) {
   }
 }
 
-// A hook starts the collective and returns: rank 0 calls it while the other ranks wait for it to return (5 s at
+// A hook starts the collective and returns: rank 0 calls it while the other ranks wait for it to return (30 s at
 // most) before they call theirs, so its collective cannot have completed yet. What needs the result (the
 // post-division, the cast back, the copy into output) runs only in wait(): until then `output` is untouched, an
 // fp32 all-reduce's grad holds the pre-divided gradient only, and a low-precision hook's grad is untouched (it
@@ -616,10 +616,10 @@ TEST(HookContract, HooksReturnAtOnceAndFinishOnlyInWait) {
                   << what << ": grad changed before wait() (it holds " << grad[0].item<float>()
                   << "); the hook communicates a low-precision copy and casts back in the continuation";
           } else {
-            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
             while (!returned[i] && std::chrono::steady_clock::now() < deadline)
               std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            EXPECT_TRUE(returned[i]) << what << ": rank 0's hook call had not returned 5 s later, while rank "
+            EXPECT_TRUE(returned[i]) << what << ": rank 0's hook call had not returned 30 s later, while rank "
                                      << comm.rank()
                                      << " had not called its own: a hook must not wait for its collective";
             h = hook(grad, out);

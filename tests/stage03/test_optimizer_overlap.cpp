@@ -247,7 +247,7 @@ TEST(OptimizerOverlapOrder, NothingIsSteppedWhenBackwardFailsOrIsCutShort) {
 }
 
 // The reducer starts the reduction and returns on the backward thread: rank 0 calls it while rank 1 waits for it to
-// return (5 s at most) before calling its own, so the reduction cannot have landed yet. Waited for outside
+// return (30 s at most) before calling its own, so the reduction cannot have landed yet. Waited for outside
 // BucketedDDP's end of backward, its handle steps nothing (optimizer_overlap.h).
 TEST(OptimizerOverlapOrder, TheReducerReturnsBeforeItsReductionLandsAndStepsNothingOutsideBackward) {
   std::atomic<bool> returned{false};
@@ -264,10 +264,10 @@ TEST(OptimizerOverlapOrder, TheReducerReturnsBeforeItsReductionLandsAndStepsNoth
           h = reducer(comm, bucket);
           returned = true;
         } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
           while (!returned && std::chrono::steady_clock::now() < deadline)
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          EXPECT_TRUE(returned) << "rank 0's call of the reducer had not returned 5 s later, while rank 1 had not "
+          EXPECT_TRUE(returned) << "rank 0's call of the reducer had not returned 30 s later, while rank 1 had not "
                                    "called its own: the reducer must start the reduction and return, the step "
                                    "belongs in the handle's continuation";
           h = reducer(comm, bucket);

@@ -123,16 +123,16 @@ TEST_P(UnitWorlds, BeginUnshardOnlyIssuesAndTheGatheredBufferGetsItsBytesAtCopyO
         std::vector<int64_t> versions;
         for (const auto& fp : unit.params()) versions.push_back(fp.param._version());
         const int64_t lent = pool.stats().in_use_bytes;  // what the pool lends the sharded unit (nothing)
-        // Rank 0 begins first, the others once its begin_unshard has returned (or after 5 s). An all-gather cannot
+        // Rank 0 begins first, the others once its begin_unshard has returned (or after 30 s). An all-gather cannot
         // complete before every rank has issued it: a begin_unshard that waits for it returns only after that.
         if (comm.rank() == 0) {
           unit.begin_unshard();
           rank0_issued = true;
         } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
           while (!rank0_issued && std::chrono::steady_clock::now() < deadline)
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          EXPECT_TRUE(rank0_issued) << "rank 0's begin_unshard had not returned 5 s later, while rank " << comm.rank()
+          EXPECT_TRUE(rank0_issued) << "rank 0's begin_unshard had not returned 30 s later, while rank " << comm.rank()
                                     << " had not issued its all-gather yet: begin_unshard must only issue the "
                                        "all-gather; finish_unshard waits for it";
           unit.begin_unshard();

@@ -169,12 +169,10 @@ INSTANTIATE_TEST_SUITE_P(Stage06, HsdpEquivalence,
                            return s.str();
                          });
 
-// Per unit per step, from the record (op, not wire_op): one reduce-scatter of S x row in the shard group and one
-// all-reduce of the row (Σ padded shard numel, padding included) in the replicate group; the all-gathers stay in
-// the shard group; nothing else. The reduce-scatters come in the same unit order as the all-reduces.
 // Clipping under HSDP: the shards' norms are joined over the shard group only (the replicas hold the same shards:
-// joined over the world, each element would count R times and the scale be off by a factor sqrt(R)). A bound that
-// binds trains like the clipped single device on a 2 x 2 mesh, in the 2-norm and the max norm.
+// joined over the world, each element would count R times and the 2-norm's scale be off by a factor sqrt(R); a
+// maximum over copies is the same, so only the 2-norm can tell). A bound that binds trains like the clipped single
+// device on a 2 x 2 mesh, in the 2-norm and the max norm. While the all-reduce is deferred, clipping is refused.
 TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSingleDevice) {
   TrainConfig base;
   base.model = "mlp";
@@ -193,6 +191,14 @@ TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSing
           auto fsdp = fully_shard_hybrid(model, mesh, fsdp::Options{});
           test_support::train_steps(world.world(), c, fsdp->parameters(), at::kCPU, *fsdp);
           finals[world.rank()] = on_cpu(fsdp->full_parameters());
+          // With the all-reduce deferred each replica's shards hold its own partial sum: clipping is refused.
+          set_requires_all_reduce(*fsdp, false);
+          auto data = make_dataset(c.model, c.seed);
+          fsdp->loss(rank_slice(data->global_batch(0, c.global_batch), world.rank(), 4)).backward();
+          EXPECT_THROW(fsdp->clip_grad_norm(1.0, p), std::logic_error) << "rank " << world.rank();
+          set_requires_all_reduce(*fsdp, true);
+          fsdp->loss(rank_slice(data->global_batch(1, c.global_batch), world.rank(), 4)).backward();
+          EXPECT_NO_THROW(fsdp->clip_grad_norm(1e9, p)) << "rank " << world.rank() << ": after the all-reduce";
         },
         test_group());
     for (int r = 0; r < 4; ++r) {
@@ -203,6 +209,9 @@ TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSing
   }
 }
 
+// Per unit per step, from the record (op, not wire_op): one reduce-scatter of S x row in the shard group and one
+// all-reduce of the row (Σ padded shard numel, padding included) in the replicate group; the all-gathers stay in
+// the shard group; nothing else. The reduce-scatters come in the same unit order as the all-reduces.
 TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUnitPerStep) {
   TrainConfig c;
   c.model = "tiny_gpt";

@@ -41,13 +41,15 @@ with tempfile.TemporaryDirectory() as tmp:
                 errors.append(f"rank {rank}: wait span at {w['ts']} is not inside a backward span")
         if len(waits) != steps:
             errors.append(f"rank {rank}: {len(waits)} wait spans, expected one per step ({steps})")
-        # every collective of the run: setup broadcasts + one rebuild broadcast + one all-reduce per bucket per step
+        # every collective of the run: setup (the ranks' models compared by all-gathers, the broadcasts) + one rebuild
+        # broadcast + one all-reduce per bucket per step
         reduces = [e for e in comm if e["name"] == "all_reduce"]
-        broadcasts = [e for e in comm if e["name"] == "broadcast"]
+        broadcasts = [e for e in comm if e["name"] in ("broadcast", "all_gather")]
         if len(reduces) != buckets * steps:
             errors.append(f"rank {rank}: {len(reduces)} all_reduce spans, expected {buckets} x {steps}")
         if len(broadcasts) != report["setup_collectives"]:
-            errors.append(f"rank {rank}: {len(broadcasts)} broadcast spans, report says {report['setup_collectives']}")
+            errors.append(f"rank {rank}: {len(broadcasts)} broadcast and all_gather spans, report says "
+                          f"{report['setup_collectives']} setup collectives")
         lanes = {}
         for e in sorted(comm, key=lambda e: e["ts"]):
             if e["tid"] in lanes and e["ts"] < lanes[e["tid"]] - 1e-3:

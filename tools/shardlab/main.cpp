@@ -35,6 +35,10 @@ int main(int argc, char** argv) {
       RunOptions o = parse_options(args, false);
       std::vector<RunReport> reports;
       for (const auto& s : strategies()) {
+        if (o.train.clip_norm > 0 && !clips(s.name)) {
+          std::cout << "compare: " << s.name << " left out: it cannot clip (--clip-norm)\n";
+          continue;
+        }
         RunOptions each = o;
         each.strategy = s.name;
         each.world_size = s.distributed ? o.world_size : 1;

@@ -116,9 +116,11 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.train.lr = parse_double(flag, v);
     else if (flag == "--micro-batches")
       o.train.micro_batches = static_cast<int>(parse_int(flag, v, 1, 1024));
-    else if (flag == "--clip-norm")
+    else if (flag == "--clip-norm") {
       o.train.clip_norm = parse_double(flag, v);
-    else if (flag == "--clip-norm-type")
+      if (std::isinf(o.train.clip_norm))
+        throw std::invalid_argument("--clip-norm expects a finite positive number; got '" + v + "'");
+    } else if (flag == "--clip-norm-type")
       o.train.clip_p = one_of(flag, v, {"2", "inf"}) == "inf" ? std::numeric_limits<double>::infinity() : 2.0;
     else if (flag == "--json")
       o.json = v;
@@ -215,7 +217,7 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
         "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
         "hook_* strategies; got strategy '" +
         o.strategy + "', which has none");
-  if (allow_strategy && o.strategy == "overlap_optimizer" && given(args, "--clip-norm"))
+  if (allow_strategy && !clips(o.strategy) && given(args, "--clip-norm"))
     throw std::invalid_argument(
         "--clip-norm needs the whole gradient before any parameter steps; strategy "
         "overlap_optimizer steps each bucket's parameters inside backward, as its average "

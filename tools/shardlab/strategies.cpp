@@ -159,6 +159,8 @@ class WrappedRunner : public StepRunner {
         run();
       }
     }
+    if (config_.clip_norm > 0 && !optimizer_)  // parse_options refuses it first
+      throw std::logic_error("--clip-norm with an optimizer that steps inside backward");
     if (optimizer_) {
       if (config_.clip_norm > 0) {
         Timeline::Scope span(timeline_, "clip", step);
@@ -553,6 +555,8 @@ std::pair<int, int> mesh_shape(const StrategyOptions& s, int world) {
 bool shards_parameters(const std::string& strategy) { return strategy.rfind("fsdp", 0) == 0 || strategy == "hsdp"; }
 
 bool prefetches(const std::string& strategy) { return strategy == "fsdp_prefetch" || strategy == "hsdp"; }
+
+bool clips(const std::string& strategy) { return strategy != "overlap_optimizer"; }
 
 const Strategy& find_strategy(const std::string& name) {
   for (const auto& s : strategies())

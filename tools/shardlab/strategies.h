@@ -96,6 +96,10 @@ bool shards_parameters(const std::string& strategy);
 /// Whether `strategy` takes --prefetch-depth and --prefetch-limit (fsdp_prefetch and hsdp).
 bool prefetches(const std::string& strategy);
 
+/// True when `strategy` can clip its gradients (--clip-norm): every one but overlap_optimizer, which steps each
+/// bucket's parameters inside backward, before the whole gradient (and so its norm) exists.
+bool clips(const std::string& strategy);
+
 /// Every strategy built so far, in course order.
 const std::vector<Strategy>& strategies();
 /// Their names.

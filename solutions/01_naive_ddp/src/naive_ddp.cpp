@@ -10,9 +10,10 @@ namespace shardlab::naive_ddp {
 
 NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(std::move(module)), comm_(comm) {
   if (!module_) throw std::invalid_argument("NaiveDDP: expected a model; got a null pointer");
+  check_same_model(*module_, comm_, "NaiveDDP");  // first: every rank gets the same verdict
   for (const auto& p : module_->parameters(/*recurse=*/true))
     if (p.requires_grad()) params_.push_back(p);
-  broadcast_state(*module_, comm_);
+  broadcast_state(*module_, comm_, StructureCheck::kAlreadyCompared);
   readiness_ = std::make_unique<GradientReadiness>(
       params_, [this](size_t i) { on_gradient_ready(i); }, [this] { finish_sync(); });
 }
@@ -39,10 +40,10 @@ double NaiveDDP::clip_grad_norm(double max_norm, double p) {
   return shardlab::clip_grad_norm(params_, max_norm, p, nullptr);
 }
 
-void broadcast_state(Model& module, Communicator& comm) {
-  // Ranks whose models differ are stopped here, on every rank, before any broadcast pairs the wrong tensors
+void broadcast_state(Model& module, Communicator& comm, StructureCheck check) {
+  // Ranks whose models differ are stopped before any broadcast pairs the wrong tensors, on every rank
   // (Note [Comparing the ranks' models]).
-  check_same_model(module, comm, "broadcast_state (constructing a wrapper)");
+  if (check == StructureCheck::kCompare) check_same_model(module, comm, "broadcast_state");
   // All replicas must start identical: every parameter (frozen ones too) and every buffer take rank 0's values.
   // BEGIN SOLUTION(01): broadcast every parameter and buffer from rank 0
   // Launch every broadcast, then wait for all of them (they overlap), all of them even after a failure.

@@ -2,6 +2,7 @@
 
 #include "shardlab/common/errors.h"
 #include "shardlab/common/grad_clip.h"
+#include "shardlab/common/model_check.h"
 #include "shardlab/common/progress.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
@@ -62,6 +63,10 @@ const char* to_string(SchedulePoint point) {
 FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options)
     : model_(std::move(model)), comm_(comm), options_(std::move(options)) {
   if (!model_) throw std::invalid_argument("FullyShardedModel: expected a model; got a null pointer");
+  // First, over the group that broadcasts (HSDP: the world): the checks below depend on the model, and a rank must
+  // not fail one alone while the others wait. Note [Comparing the ranks' models].
+  Communicator& broadcast_group = options_.broadcast_group != nullptr ? *options_.broadcast_group : comm_;
+  check_same_model(*model_, broadcast_group, "FullyShardedModel");
   if (!options_.reducer) options_.reducer = hook_reducers("reduce_scatter");
   if (options_.pool_buffers) pool_ = std::make_unique<BufferPool>();  // CPU buffers only; CUDA has its own cache
 
@@ -127,7 +132,7 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
                                   "'; expected one per unit");
   }
   // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
-  naive_ddp::broadcast_state(*model_, options_.broadcast_group != nullptr ? *options_.broadcast_group : comm_);
+  naive_ddp::broadcast_state(*model_, broadcast_group, naive_ddp::StructureCheck::kAlreadyCompared);
   for (size_t u = 0; u < count; ++u)
     units_.push_back(std::make_unique<FsdpUnit>(unit_name(u), groups[u], comm_, options_.mixed_precision,
                                                 std::move(reducers[u]), meter_, pool_.get()));
@@ -202,6 +207,12 @@ double FullyShardedModel::clip_grad_norm(double max_norm, double p) {
     throw std::logic_error(
         "FullyShardedModel::clip_grad_norm: called inside no_sync, where the gradients are unsharded and "
         "unreduced; clip after the synchronized backward that ends the accumulation");
+  for (const auto& unit : units_)
+    if (unit->reducer().held_bytes() > 0)
+      throw std::logic_error("FullyShardedModel::clip_grad_norm: unit '" + unit->name() +
+                             "' holds a partial "
+                             "reduction (HSDP's all-reduce deferred: each replica's shards hold its own sum); clip "
+                             "after the backward that runs the all-reduce");
   return shardlab::clip_grad_norm(parameters(), max_norm, p, &comm_);
 }
 

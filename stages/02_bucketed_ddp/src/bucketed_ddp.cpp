@@ -4,6 +4,7 @@
 #include "shardlab/common/errors.h"
 #include "shardlab/common/flat_storage.h"
 #include "shardlab/common/grad_clip.h"
+#include "shardlab/common/model_check.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>
@@ -39,6 +40,8 @@ bool settling_a_complete_backward() { return settling_complete; }
 BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options)
     : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
   if (!module_) throw std::invalid_argument("BucketedDDP: expected a model; got a null pointer");
+  // First: the checks below depend on the model, and a rank must not fail one alone while the others wait.
+  check_same_model(*module_, comm_, "BucketedDDP");
   check_caps("BucketedDDP", options_.caps);
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;  // frozen: never communicated
@@ -52,7 +55,7 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
       throw std::invalid_argument("BucketedDDP: every trainable parameter must be on one device; '" + names_.front() +
                                   "' is on " + params_.front().device().str() + ", '" + names_[i] + "' on " +
                                   params_[i].device().str());
-  naive_ddp::broadcast_state(*module_, comm_);
+  naive_ddp::broadcast_state(*module_, comm_, naive_ddp::StructureCheck::kAlreadyCompared);
   // Before any backward the best guess of the ready order is the reverse of registration (last layer first).
   std::vector<size_t> order(params_.size());
   std::iota(order.rbegin(), order.rend(), size_t{0});

@@ -28,7 +28,7 @@ struct CollectiveRecord {
   int64_t bytes = 0;           ///< bytes of the tensor handed to the backend by this rank (wire payload)
   std::string group;           ///< name of the Communicator (process group) it ran on
   int group_size = 0;          ///< number of ranks of that group (what the ring's (N-1)/N counts with)
-  std::string reduce;          ///< "sum", "avg" or "" for non-reductions
+  std::string reduce;          ///< "sum", "avg", "max" or "" for non-reductions
   int64_t start_ns = 0;        ///< steady_clock time of submission
   int64_t end_ns = 0;          ///< steady_clock time of completion (0 while pending); for CUDA tensors, when
                                ///< wait() had synchronized with it (the host cannot see the GPU finish earlier)

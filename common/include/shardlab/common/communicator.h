@@ -6,9 +6,9 @@
 /// a Handle; nothing is complete until `Handle::wait()` returns. Arguments are validated on the calling thread
 /// before anything is submitted, so a mistake one rank can see is a C++ exception at the call. One rank alone cannot
 /// see that another rank issued a different size: Gloo fails such a pair on its own transport thread, which ends
-/// the process. The wrappers size every collective from the model and compare the ranks' models before their first
-/// one (check_same_model, model_check.h); a direct caller must issue the same collectives, of the same sizes, in the
-/// same order on every rank.
+/// the process. The wrappers size every collective from the model and their options, and compare the ranks' models
+/// before their first one (check_same_model, model_check.h; the options are the caller's to keep alike); a direct
+/// caller must issue the same collectives, of the same sizes, in the same order on every rank.
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
 /// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to

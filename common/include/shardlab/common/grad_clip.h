@@ -21,8 +21,9 @@ namespace shardlab {
 /// @throws std::invalid_argument when p is not positive (NaN included).
 double total_grad_norm(const std::vector<at::Tensor>& params, double p, Communicator* comm);
 
-/// Scales every gradient of `params` by min(1, max_norm / (total + 1e-6)), as torch.nn.utils.clip_grad_norm_ does,
-/// where total is total_grad_norm(params, p, comm), and returns total (before scaling).
+/// Scales every gradient of `params` by min(1, max_norm / (total + 1e-6)), as torch.nn.utils.clip_grad_norm_ does
+/// (a NaN total makes every gradient NaN there too), where total is total_grad_norm(params, p, comm), and returns
+/// total (before scaling).
 /// @throws std::invalid_argument when max_norm is negative or not finite, or p is not positive.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double p, Communicator* comm);
 

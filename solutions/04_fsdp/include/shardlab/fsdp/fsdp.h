@@ -193,8 +193,9 @@ class FullyShardedModel {
   /// call it on every rank, between backward and the optimizer's step.
   /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
   /// @return the total norm before clipping, the same on every rank.
-  /// @throws std::logic_error inside no_sync (the gradients are not reduced and sharded yet);
-  ///         std::invalid_argument for a negative max_norm or a p that is not positive.
+  /// @throws std::logic_error inside no_sync (the gradients are not reduced and sharded yet), or while a unit's
+  ///         reducer holds a partial (HSDP's all-reduce deferred); std::invalid_argument for a negative max_norm or
+  ///         a p that is not positive.
   double clip_grad_norm(double max_norm, double p = 2.0);
 
   /// The units: the model's units in registration order, then the root (when it has parameters).
