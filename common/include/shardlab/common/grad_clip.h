@@ -14,6 +14,8 @@ namespace shardlab {
 /// The p-norm of all the gradients of `params` taken together, as one vector: (sum over elements of |g|^p)^(1/p), or
 /// max |g| for p = infinity. Undefined gradients count as zero; a parameter listed twice (a tied weight) counts
 /// once. Accumulated in float64.
+/// @param params the parameters whose `.grad()` count (this rank's shards, or a whole replica).
+/// @param p the norm: > 0; 2 for the Euclidean norm, infinity for the largest |g|.
 /// @param comm the group whose ranks hold *distinct* parts of the gradients (FSDP's shard group; never the
 ///        replicas of HSDP), over which one all-reduce (SUM of |g|^p, or MAX) joins them; null when this rank holds
 ///        the whole gradient (DDP after its averaging): no collective. A collective when not null: every rank of

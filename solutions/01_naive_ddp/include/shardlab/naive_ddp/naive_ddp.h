@@ -70,6 +70,7 @@ class NaiveDDP {
   /// Clips the gradients by their global p-norm, as torch.nn.utils.clip_grad_norm_ (grad_clip.h): call it between
   /// backward and the optimizer's step, on every rank. After a synchronized backward every rank holds the whole
   /// averaged gradient, so no collective runs and every rank computes the same norm and scale.
+  /// @param max_norm the bound on the total norm (>= 0).
   /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
   /// @return the total norm before clipping.
   /// @throws std::logic_error inside no_sync (the gradients are this rank's own, not averaged yet);

@@ -191,6 +191,7 @@ class FullyShardedModel {
   /// MAX for p = infinity) over the group passed at construction joins them (HSDP: the shard group, so replicas
   /// are not counted twice), and every rank scales its rows alike. See Note [A norm over shards]. A collective:
   /// call it on every rank, between backward and the optimizer's step.
+  /// @param max_norm the bound on the total norm (>= 0).
   /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
   /// @return the total norm before clipping, the same on every rank.
   /// @throws std::logic_error inside no_sync (the gradients are not reduced and sharded yet), or while a unit's

@@ -97,6 +97,7 @@ class BucketedDDP {
   /// Clips the gradients by their global p-norm, as NaiveDDP::clip_grad_norm: call it between
   /// backward and the optimizer's step (not with stage 03's overlapped optimizer, which steps inside backward and
   /// refuses a clipping norm). No collective.
+  /// @param max_norm the bound on the total norm (>= 0).
   /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
   /// @return the total norm before clipping.
   /// @throws std::logic_error inside no_sync (the gradients are this rank's own, not averaged yet);
