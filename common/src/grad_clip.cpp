@@ -30,6 +30,15 @@ void check_p(double p) {
                                 std::to_string(p));
 }
 
+// The defined gradients of `params`, each once (a parameter listed twice, a tied weight, counts once).
+std::vector<at::Tensor> unique_grads(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> grads;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& param : params)
+    if (seen.insert(param.unsafeGetTensorImpl()).second && param.grad().defined()) grads.push_back(param.grad());
+  return grads;
+}
+
 }  // namespace
 
 double total_grad_norm(const std::vector<at::Tensor>& params, double p, Communicator* comm) {
@@ -37,11 +46,8 @@ double total_grad_norm(const std::vector<at::Tensor>& params, double p, Communic
   const bool inf = std::isinf(p);
   // One float64 scalar on the gradients' device, read once at the end (one host sync, as PyTorch's).
   at::Tensor local;
-  std::set<const c10::TensorImpl*> seen;  // a parameter listed twice (a tied weight) counts once
-  for (const auto& param : params) {
-    if (!seen.insert(param.unsafeGetTensorImpl()).second) continue;
-    const at::Tensor& g = param.grad();
-    if (!g.defined() || g.numel() == 0) continue;
+  for (const auto& g : unique_grads(params)) {
+    if (g.numel() == 0) continue;
     // This tensor's norm, accumulated in float64 (one float64 copy of it, transient), then its share of the total.
     const at::Tensor norm = at::linalg_vector_norm(g.detach(), p, c10::nullopt, /*keepdim=*/false, at::kDouble);
     const at::Tensor part = inf ? norm : norm.pow(p);
@@ -68,12 +74,7 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, do
   // NaN, as there. Only the multiplication by exactly 1 is skipped.
   if (!(coef >= 1.0)) {
     at::NoGradGuard no_grad;
-    std::set<const c10::TensorImpl*> seen;
-    for (const auto& param : params) {
-      if (!seen.insert(param.unsafeGetTensorImpl()).second) continue;
-      const at::Tensor& g = param.grad();
-      if (g.defined()) g.mul_(coef);
-    }
+    for (const auto& g : unique_grads(params)) g.mul_(coef);
   }
   return total;
 }

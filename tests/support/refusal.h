@@ -34,7 +34,7 @@ inline Refusal refusal_of(Communicator& comm, const std::function<void()>& const
 }
 
 /// Every rank refused with the same message, saying that the models differ and containing every piece of `pieces`,
-/// and ran nothing but the check's all-gathers.
+/// and ran exactly the check's two all-gathers: the digests (4 int64 per rank), then the structures.
 inline void expect_same_refusal(const std::vector<Refusal>& seen, const std::vector<std::string>& pieces = {}) {
   std::cout << "rank 0: " << seen.at(0).error << "\n";
   for (size_t r = 0; r < seen.size(); ++r) {
@@ -44,7 +44,10 @@ inline void expect_same_refusal(const std::vector<Refusal>& seen, const std::vec
       EXPECT_NE(seen[r].error.find(piece), std::string::npos)
           << "rank " << r << ": expected \"" << piece << "\" in: " << seen[r].error;
     EXPECT_EQ(seen[r].error, seen[0].error) << "every rank throws the same message";
-    for (const auto& c : seen[r].ran) EXPECT_EQ(c.op, "all_gather") << "rank " << r << ": a " << c.op << " ran";
+    ASSERT_EQ(seen[r].ran.size(), 2u) << "rank " << r << ": the check's two all-gathers and nothing else";
+    EXPECT_EQ(seen[r].ran[0].op, "all_gather");
+    EXPECT_EQ(seen[r].ran[0].numel, 4) << "rank " << r << ": the first is the digests";
+    EXPECT_EQ(seen[r].ran[1].op, "all_gather");
   }
 }
 

@@ -6,6 +6,7 @@
 #include "shardlab/common/compat.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
+#include "shardlab/common/errors.h"
 #include "shardlab/common/grad_clip.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp.h"
@@ -126,7 +127,10 @@ class WrappedRunner : public StepRunner {
         wrapper_(std::move(wrapper)),
         overlapped_(std::move(overlapped)),
         optimizer_(overlapped_ ? nullptr
-                               : make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {}
+                               : make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {
+    // parse_options refuses --clip-norm for a strategy that steps inside backward (clips())
+    SHARDLAB_INTERNAL_ASSERT(c.clip_norm <= 0 || optimizer_ != nullptr, "--clip-norm with an overlapped optimizer");
+  }
 
   double step(const Batch& local) override {
     const int step = static_cast<int>(local.step);
@@ -159,8 +163,6 @@ class WrappedRunner : public StepRunner {
         run();
       }
     }
-    if (config_.clip_norm > 0 && !optimizer_)  // parse_options refuses it first
-      throw std::logic_error("--clip-norm with an optimizer that steps inside backward");
     if (optimizer_) {
       if (config_.clip_norm > 0) {
         Timeline::Scope span(timeline_, "clip", step);
