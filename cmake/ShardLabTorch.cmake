@@ -11,6 +11,9 @@ if(NOT SHARDLAB_GLOO_INCLUDE)
                       "On Debian: apt-get install libgloo-dev (tools/install-deps does it).")
 endif()
 
+find_package(nlohmann_json 3.2 REQUIRED)  # Debian: nlohmann-json3-dev (tools/install-deps)
+find_package(ZLIB REQUIRED)               # Debian: zlib1g-dev
+
 # NCCL: only with a CUDA libtorch whose c10d ships ProcessGroupNCCL.
 if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
   set(SHARDLAB_HAS_NCCL ON)

@@ -10,6 +10,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <set>
 #include <stdexcept>
 
 namespace shardlab {
@@ -25,8 +26,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
 
 std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model) {
   std::vector<at::Tensor> out;
+  std::set<const c10::TensorImpl*> seen;  // a tensor registered twice (tied) is stepped once
   for (const auto& p : model.parameters(/*recurse=*/true))
-    if (p.requires_grad()) out.push_back(p);
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
   return out;
 }
 

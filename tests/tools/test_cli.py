@@ -66,13 +66,23 @@ expect([shardlab, "train", "--clip-norm", "1", "--clip-norm-type", "1"], 2,
 expect([shardlab, "train", "--clip-norm-type", "inf"], 2, "--clip-norm-type chooses the norm --clip-norm bounds")
 expect([shardlab, "train", "--strategy", "overlap_optimizer", "--clip-norm", "1"], 2,
        "--clip-norm needs the whole gradient before any parameter steps; strategy overlap_optimizer")
+# Checkpoints: the flags' pairs and strategies, a missing or too-late checkpoint, export's arguments; all before any
+# rank starts.
+expect([shardlab, "train", "--save-every", "2"], 2, "--save-every K saves every K steps into --save DIR; got it without")
+expect([shardlab, "train", "--save", "x", "--save-every", "0"], 2, "--save-every expects an integer in [1, ")
+expect([shardlab, "train", "--strategy", "overlap_optimizer", "--save", "x"], 2,
+       "strategy overlap_optimizer keeps one optimizer per parameter inside its reducer")
+expect([shardlab, "compare", "--save", "x"], 2, "--save, --save-every and --resume are options of shardlab train")
+expect([shardlab, "train", "--resume", "/nonexistent/ckpt"], 2, "--resume expects a checkpoint")
+expect([shardlab, "export", "only-one-argument"], 2, "export expects a checkpoint directory and a file to write")
+expect([shardlab, "export", "/nonexistent/ckpt", "out.safetensors"], 1, "no checkpoint at '/nonexistent/ckpt'")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
 expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")
 # Checked once by the driver, before any rank starts (this machine may or may not have CUDA).
 # "without CUDA" here; "is not a visible GPU" on a machine with fewer than 64 GPUs. Both name the device.
 expect([shardlab, "train", "--device", "cuda:63"], 2, "device cuda:63")
 expect([shardlab, "train", "--device", "cuda:300"], 2, "GPU index 300 is out of range")
-expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected train, compare or bench")
+expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected train, compare, bench or export")
 expect([shardlab, "--help"], 0, "shardlab compare")
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")
 expect([launcher, "-n", "2", "true"], 2, "--")

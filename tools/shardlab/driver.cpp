@@ -1,11 +1,13 @@
 #include "run.h"
 #include "strategies.h"
 
+#include "shardlab/common/checkpoint.h"
 #include "shardlab/common/device.h"
 #include "shardlab/common/launcher.h"
 
 #include <ATen/ATen.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -88,6 +90,35 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     o.trace_dir = fs::absolute(o.trace_dir).string();
   }
 
+  // The ranks may run elsewhere than here: they get absolute paths.
+  if (!o.save_dir.empty()) o.save_dir = fs::absolute(o.save_dir).string();
+  if (!o.resume_dir.empty()) o.resume_dir = fs::absolute(o.resume_dir).string();
+  // --resume: the checkpoint's step is where this run starts (checked here, before any rank starts).
+  int first_step = 0;
+  if (!o.resume_dir.empty()) {
+    const CheckpointIndex index = read_checkpoint_index(o.resume_dir);
+    first_step = resume_step(index.metadata, o.resume_dir);
+    if (first_step >= o.train.steps)
+      throw std::invalid_argument("--resume '" + o.resume_dir + "' holds step " + std::to_string(first_step) +
+                                  "; --steps is the step to train up to and must be greater (got " +
+                                  std::to_string(o.train.steps) + ")");
+    if (!index.metadata.count("optim.kind"))
+      std::cout << "shardlab: note: --resume '" << o.resume_dir << "' holds weights only: the optimizer starts fresh "
+                << "at step " << first_step << ", and the single-device reference below starts from the model's own "
+                << "initialization, not from these weights\n";
+    const std::map<std::string, std::string> here = {{"model", o.train.model},
+                                                     {"seed", std::to_string(o.train.seed)},
+                                                     {"global_batch", std::to_string(o.train.global_batch)},
+                                                     {"optimizer", o.train.optimizer}};
+    for (const auto& [key, value] : here) {
+      const auto saved = index.metadata.find(key);
+      if (saved != index.metadata.end() && saved->second != value)
+        std::cout << "shardlab: note: --resume '" << o.resume_dir << "' was saved with " << key << " " << saved->second
+                  << ", this run has " << value
+                  << ": the single-device reference below runs this run's settings from step 0\n";
+    }
+  }
+
   // Check the device here, once, rather than in every rank: "cuda" puts local rank r on GPU r.
   const c10::Device device = parse_device(o.train.device);
   const int ranks = strategy.distributed ? o.world_size : 1;
@@ -143,34 +174,39 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.comm_yield = o.comm_yield;
   r.backend = strategy.distributed ? o.backend : "none";
   const ReferenceResult ref = train_reference(o.train);
-  r.reference_losses = ref.losses;
+  r.first_step = first_step;
+  r.resumed_from = o.resume_dir;
+  r.save_dir = o.save_dir;
+  r.save_every = o.save_every;
+  r.reference_losses.assign(ref.losses.begin() + first_step, ref.losses.end());
+  const int run = o.train.steps - first_step;  // steps this run trained
   at::Tensor ref_flat = at::cat([&] {
     std::vector<at::Tensor> flat;
     for (const auto& p : ref.params) flat.push_back(p.to(at::kDouble).reshape({-1}));
     return flat;
   }());
 
-  r.losses.assign(o.train.steps, 0.0);
+  r.losses.assign(run, 0.0);
   for (int rank = 0; rank < o.world_size; ++rank) {
     const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
     auto text = read_rank_text(prefix + ".txt");
     const auto& losses = text["losses"];
-    if (losses.size() != static_cast<size_t>(o.train.steps))
+    if (losses.size() != static_cast<size_t>(run))
       throw std::runtime_error("rank " + std::to_string(rank) + " reported " + std::to_string(losses.size()) +
-                               " losses; expected " + std::to_string(o.train.steps));
-    for (int s = 0; s < o.train.steps; ++s) r.losses[s] += losses[s] / o.world_size;
+                               " losses; expected " + std::to_string(run));
+    for (int s = 0; s < run; ++s) r.losses[s] += losses[s] / o.world_size;
     if (rank == 0) {
       r.step_time_ms = median(text["step_ms"]);
       r.setup_collectives = text["setup_collectives"].empty() ? 0 : text["setup_collectives"][0];
-      r.collectives_per_step = text["collectives"].empty() ? 0 : text["collectives"][0] / o.train.steps;
-      r.bytes_per_step = text["bytes"].empty() ? 0 : text["bytes"][0] / o.train.steps;
-      r.sent_bytes_per_step = text["sent_bytes"].empty() ? 0 : text["sent_bytes"][0] / o.train.steps;
+      r.collectives_per_step = text["collectives"].empty() ? 0 : text["collectives"][0] / run;
+      r.bytes_per_step = text["bytes"].empty() ? 0 : text["bytes"][0] / run;
+      r.sent_bytes_per_step = text["sent_bytes"].empty() ? 0 : text["sent_bytes"][0] / run;
       r.buckets = text["buckets"].empty() ? 0 : text["buckets"][0];
-      r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / o.train.steps;
-      r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / o.train.steps;
+      r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / run;
+      r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / run;
       auto first = [&](const char* key) { return text[key].empty() ? 0.0 : text[key][0]; };
       r.exposed_share_median = text["exposed_share"].empty() ? 0 : median(text["exposed_share"]);
-      r.progress_yields_per_step = first("progress_yields") / o.train.steps;
+      r.progress_yields_per_step = first("progress_yields") / run;
       r.peak_param_bytes = first("peak_param_bytes");
       r.peak_param_bytes_theory = first("peak_param_bytes_theory");
       r.peak_grad_bytes = first("peak_grad_bytes");
@@ -180,8 +216,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       for (const auto& [key, values] : text) {
         if (key.rfind("group_", 0) != 0 || values.size() != 2) continue;
         GroupTraffic& g = r.groups[key.substr(6)];
-        g.collectives = values[0] / o.train.steps;
-        g.bytes = values[1] / o.train.steps;
+        g.collectives = values[0] / run;
+        g.bytes = values[1] / run;
       }
     }
     r.peak_rss_bytes.push_back(text["peak_rss_bytes"].empty() ? 0.0 : text["peak_rss_bytes"][0]);
@@ -223,9 +259,9 @@ void print_report(const RunReport& r) {
             << "  loss: over the global batch (the mean of the ranks' equal slices), as the progress bar shows it\n"
             << "  step        loss   reference   |difference|\n";
   for (size_t s = 0; s < r.losses.size(); ++s)
-    std::cout << "  " << std::setw(4) << s << std::fixed << std::setprecision(6) << std::setw(12) << r.losses[s]
-              << std::setw(12) << r.reference_losses[s] << std::scientific << std::setprecision(2) << std::setw(15)
-              << std::abs(r.losses[s] - r.reference_losses[s]) << "\n";
+    std::cout << "  " << std::setw(4) << s + r.first_step << std::fixed << std::setprecision(6) << std::setw(12)
+              << r.losses[s] << std::setw(12) << r.reference_losses[s] << std::scientific << std::setprecision(2)
+              << std::setw(15) << std::abs(r.losses[s] - r.reference_losses[s]) << "\n";
   std::cout << std::defaultfloat << std::setprecision(6)
             << "\n  max parameter difference vs single device: " << r.max_param_diff
             << "\n  collectives per step: " << r.collectives_per_step << " (theory " << r.collectives_per_step_theory
@@ -273,6 +309,12 @@ void print_report(const RunReport& r) {
   }
   if (!r.trace_dir.empty())
     std::cout << "  traces: " << r.trace_dir << "/rank*.trace.json (open in chrome://tracing or ui.perfetto.dev)\n";
+  if (!r.resumed_from.empty())
+    std::cout << "  resumed from checkpoint '" << r.resumed_from << "' at step " << r.first_step << "\n";
+  if (!r.save_dir.empty())
+    std::cout << "  checkpoint: '" << r.save_dir << "' at step " << r.train.steps
+              << (r.save_every > 0 ? " (also every " + std::to_string(r.save_every) + " steps)" : "")
+              << "; shardlab export writes it as one safetensors file\n";
   std::cout << std::defaultfloat;
 }
 
@@ -337,6 +379,10 @@ void json_report(std::ostream& out, const RunReport& r, const std::string& pad) 
       << pad << "  \"seed\": " << r.train.seed << ",\n"
       << pad << "  \"device\": \"" << r.train.device << "\",\n"
       << pad << "  \"backend\": \"" << r.backend << "\",\n"
+      << pad << "  \"first_step\": " << r.first_step << ",\n"
+      << pad << "  \"resumed_from\": " << nlohmann::json(r.resumed_from).dump() << ",\n"
+      << pad << "  \"save_dir\": " << nlohmann::json(r.save_dir).dump() << ",\n"
+      << pad << "  \"save_every\": " << r.save_every << ",\n"
       << pad << "  \"losses\": ";
   json_array(out, r.losses);
   out << ",\n" << pad << "  \"reference_losses\": ";

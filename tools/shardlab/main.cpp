@@ -2,10 +2,13 @@
 //   shardlab train --strategy naive_ddp --world-size 4 --model tiny_gpt --steps 10 [--json FILE]
 //   shardlab compare --world-size 4 --model tiny_gpt
 //   shardlab bench --out docs/benchmark
+//   shardlab export DIR model.safetensors
 #include "bench.h"
 #include "options.h"
 #include "run.h"
 #include "strategies.h"
+
+#include "shardlab/common/checkpoint.h"
 
 #include <filesystem>
 #include <iostream>
@@ -49,7 +52,19 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (command == "bench") return run_bench(args, self);
-    std::cerr << "shardlab: unknown command '" << command << "'; expected train, compare or bench\n" << usage();
+    if (command == "export") {
+      if (args.size() != 2 || args[0].rfind("--", 0) == 0 || args[1].rfind("--", 0) == 0)
+        throw std::invalid_argument(
+            "export expects a checkpoint directory and a file to write: shardlab export DIR "
+            "model.safetensors");
+      const shardlab::CheckpointIndex index = shardlab::read_checkpoint_index(args[0]);
+      shardlab::export_checkpoint(args[0], args[1]);
+      std::cout << "shardlab export: " << index.tensors.size() << " tensors of '" << args[0] << "' (saved by "
+                << index.world_size << " ranks; every piece checked against its CRC-32) written to '" << args[1]
+                << "'\n";
+      return 0;
+    }
+    std::cerr << "shardlab: unknown command '" << command << "'; expected train, compare, bench or export\n" << usage();
     return 2;
   } catch (const std::invalid_argument& e) {
     std::cerr << "shardlab: " << e.what() << "\n";

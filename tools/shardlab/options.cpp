@@ -124,6 +124,12 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       o.train.clip_p = one_of(flag, v, {"2", "inf"}) == "inf" ? std::numeric_limits<double>::infinity() : 2.0;
     else if (flag == "--json")
       o.json = v;
+    else if (flag == "--save")
+      o.save_dir = v;
+    else if (flag == "--save-every")
+      o.save_every = static_cast<int>(parse_int(flag, v, 1, 100000));
+    else if (flag == "--resume")
+      o.resume_dir = v;
     else if (flag == "--timeout")
       o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
     else if (flag == "--result-dir")
@@ -222,6 +228,21 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
         "--clip-norm needs the whole gradient before any parameter steps; strategy "
         "overlap_optimizer steps each bucket's parameters inside backward, as its average "
         "lands (use bucketed_ddp)");
+  if (!allow_strategy && (given(args, "--save") || given(args, "--resume") || given(args, "--save-every")))
+    throw std::invalid_argument(
+        "--save, --save-every and --resume are options of shardlab train (compare runs every "
+        "strategy, which would all write one checkpoint)");
+  if (given(args, "--save-every") && o.save_dir.empty())
+    throw std::invalid_argument("--save-every K saves every K steps into --save DIR; got it without --save");
+  if (allow_strategy && !checkpoints(o.strategy) && (!o.save_dir.empty() || !o.resume_dir.empty()))
+    throw std::invalid_argument(
+        "--save and --resume save and load the optimizer's state; strategy overlap_optimizer keeps one optimizer "
+        "per parameter inside its reducer, which a checkpoint cannot name (use bucketed_ddp)");
+  if (!o.resume_dir.empty() && !fs::exists(o.resume_dir) && !fs::exists(o.resume_dir + ".old"))
+    throw std::invalid_argument(
+        "--resume expects a checkpoint (a directory from --save, or a .safetensors file); "
+        "got '" +
+        o.resume_dir + "', which does not exist");
   if (given(args, "--clip-norm-type") && !given(args, "--clip-norm"))
     throw std::invalid_argument("--clip-norm-type chooses the norm --clip-norm bounds; got it without --clip-norm");
   for (const char* flag : {"--prefetch-depth", "--prefetch-limit"}) {
@@ -309,6 +330,9 @@ std::vector<std::string> to_args(const RunOptions& o) {
     args.push_back("--trace");
     args.push_back(o.trace_dir);
   }
+  if (!o.save_dir.empty()) args.insert(args.end(), {"--save", o.save_dir});
+  if (o.save_every > 0) args.insert(args.end(), {"--save-every", std::to_string(o.save_every)});
+  if (!o.resume_dir.empty()) args.insert(args.end(), {"--resume", o.resume_dir});
   return args;
 }
 
@@ -320,6 +344,7 @@ std::string usage() {
          strategies +
          " [options]   train on N local ranks, compare to one device\n"
          "  shardlab compare [options]                                  every strategy side by side\n"
+         "  shardlab export  DIR FILE.safetensors                       a checkpoint (--save DIR) as one file\n"
          "  shardlab bench   [options] [--out PREFIX] [--no-torch]      step time, traffic and overlap of every DDP\n"
          "                                                              strategy beside PyTorch DDP "
          "(PREFIX.json/.md);\n"
@@ -339,6 +364,11 @@ std::string usage() {
          "  --micro-batches M   gradient accumulation per step         default 1\n"
          "  --clip-norm X       clip the gradients' global norm to X   default off (not with overlap_optimizer)\n"
          "  --clip-norm-type P  2|inf: the norm --clip-norm bounds     default 2\n"
+         "  --save DIR          train: a checkpoint in DIR after the last step (model, optimizer, step; any world\n"
+         "                      size and strategy loads it; docs/checkpoints.md)   default none\n"
+         "  --save-every K      train: also after every K-th step, replacing it atomically   default off\n"
+         "  --resume DIR        train: start from the checkpoint in DIR, at its step, up to --steps (or from a\n"
+         "                      .safetensors file of weights: step 0, a fresh optimizer)\n"
          "  --bucket-cap-kb N|auto  bucket cap after the first bucket  default 25600 (25 MiB); auto: both caps\n"
          "                      chosen after step 2 from measured all-reduce costs and gradient-ready times,\n"
          "                      starting from the caps given before it (--bucket-cap-kb 32 --bucket-cap-kb auto)\n"

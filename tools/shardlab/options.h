@@ -39,6 +39,9 @@ struct RunOptions {
   std::string backend = "gloo";          ///< --backend gloo|nccl (nccl needs --device cuda)
   std::string cpu_allocator = "system";  ///< --cpu-allocator system|pool: pool = BufferPool for every CPU tensor
   bool comm_yield = true;                ///< --comm-yield on|off: progress points (Note [Yielding to communication])
+  std::string save_dir;                  ///< --save DIR: a checkpoint there after the last step ("" = none)
+  int save_every = 0;                    ///< --save-every K: also after every K-th step (0 = only the last)
+  std::string resume_dir;                ///< --resume DIR: start from the checkpoint there, at its step
 };
 
 /// Parses `args` (without the subcommand). `allow_strategy` is false for compare (it runs them all).

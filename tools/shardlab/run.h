@@ -23,8 +23,12 @@ struct RunReport {
   std::string description;
   int world_size = 1;
   TrainConfig train;
-  std::vector<double> losses;            ///< global loss per step (mean of the ranks' slice losses)
+  std::vector<double> losses;            ///< global loss per step run (mean of the ranks' slice losses)
   std::vector<double> reference_losses;  ///< the single-device reference, same steps
+  int first_step = 0;                    ///< --resume: the checkpoint's step, the first this run ran (0 otherwise)
+  std::string resumed_from;              ///< --resume: the checkpoint ("" = none)
+  std::string save_dir;                  ///< --save: where the checkpoint went ("" = none)
+  int save_every = 0;                    ///< --save-every (0 = only after the last step)
   double max_param_diff = 0;             ///< over all ranks and parameters, against the reference
   double collectives_per_step = 0;       ///< measured on rank 0, after construction
   double bytes_per_step = 0;             ///< payload bytes rank 0 handed to the backend per step
@@ -70,6 +74,11 @@ struct RunReport {
 /// options.result_dir. Every rank prints "@@progress k K loss" lines; the driver draws their mean (the global batch's
 /// loss) as a progress bar.
 int run_worker(const RunOptions& options);
+
+/// The step a checkpoint of `shardlab train` was saved at (its metadata's "step"); 0 for a file of weights only
+/// (no optimizer state: exported, or saved from PyTorch), which starts a fresh optimizer at step 0.
+/// @throws std::invalid_argument naming `path` when the step is not a count.
+int resume_step(const std::map<std::string, std::string>& metadata, const std::string& path);
 
 /// Launches the ranks, runs the reference, and assembles the report. @throws std::runtime_error when a rank fails.
 RunReport run_strategy(const RunOptions& options, const std::string& self_exe);

@@ -8,12 +8,15 @@
 #include "shardlab/common/device.h"
 #include "shardlab/common/errors.h"
 #include "shardlab/common/grad_clip.h"
+#include "shardlab/common/process_group.h"
+#include "shardlab/common/training_state.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "shardlab/prefetch/prefetch.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <algorithm>
 #include <map>
@@ -36,9 +39,23 @@ class SingleDevice {
   }
   struct Scope {};
   Scope no_sync() { return {}; }
+  // Checkpoints go through a group of one rank (no peer: its collectives return at once).
+  void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                       const std::map<std::string, std::string>& metadata) {
+    save_training_checkpoint(dir, replicated_state(*model_, 0), optimizer, alone(), metadata);
+  }
+  std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
+                                                     bool optimizer_if_saved) {
+    return load_training_checkpoint(path, replicated_state(*model_, 0), optimizer, alone(), optimizer_if_saved);
+  }
 
  private:
+  Communicator& alone() {
+    if (!alone_) alone_ = make_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 1, "single");
+    return *alone_;
+  }
   std::shared_ptr<Model> model_;
+  std::shared_ptr<Communicator> alone_;
 };
 
 size_t bucket_count(const SingleDevice&) { return 0; }
@@ -188,9 +205,18 @@ class WrappedRunner : public StepRunner {
     record_counters(*wrapper_, timeline != nullptr);
   }
   std::vector<CounterSample> counters() const override { return counters_of(*wrapper_); }
+  void save(const std::string& dir, const std::map<std::string, std::string>& metadata) override {
+    SHARDLAB_INTERNAL_ASSERT(optimizer_ != nullptr, "--save with an overlapped optimizer");  // checkpoints()
+    wrapper_->save_checkpoint(dir, optimizer_.get(), metadata);
+  }
+  std::map<std::string, std::string> load(const std::string& path) override {
+    SHARDLAB_INTERNAL_ASSERT(optimizer_ != nullptr, "--resume with an overlapped optimizer");
+    return wrapper_->load_checkpoint(path, optimizer_.get(), /*optimizer_if_saved=*/true);  // weights: a fresh one
+  }
 
  protected:
   Wrapper& wrapper() { return *wrapper_; }
+  torch::optim::Optimizer* optimizer() { return optimizer_.get(); }
 
  private:
   std::shared_ptr<void> keep_;  // first: destroyed after the wrapper
@@ -281,7 +307,8 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
 
   double step(const Batch& local) override {
     const double loss = WrappedRunner::step(local);
-    if (++steps_ == 2) tune();
+    // After the run's step 2 (index 1), by the step's index: a run resumed later has its caps from the checkpoint.
+    if (local.step == 1) tune();
     return loss;
   }
   std::map<std::string, std::vector<double>> extra() const override { return extra_; }
@@ -317,7 +344,6 @@ class AutoCapsRunner : public WrappedRunner<bucketed_ddp::BucketedDDP> {
 
   Communicator& comm_;
   c10::Device device_;
-  int steps_ = 0;
   std::map<std::string, std::vector<double>> extra_;
   std::pair<size_t, size_t> setup_records_{0, 0};
 };
@@ -484,6 +510,25 @@ std::unique_ptr<StepRunner> fsdp_prefetch_runner(const TrainConfig& c, const Str
   return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper));
 }
 
+// HSDP's checkpoints: the first replica's ranks write their rows, the whole world agrees (DataParallel's way).
+class HsdpRunner : public WrappedRunner<fsdp::FullyShardedModel> {
+ public:
+  HsdpRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<fsdp::FullyShardedModel> wrapper,
+             std::shared_ptr<Mesh> mesh, MicroBatchHook accumulation)
+      : WrappedRunner(c, std::move(model), std::move(wrapper), nullptr, mesh, std::move(accumulation)), mesh_(*mesh) {}
+  void save(const std::string& dir, const std::map<std::string, std::string>& metadata) override {
+    save_training_checkpoint(dir, wrapper().checkpoint_state(mesh_.replica_index() == 0), optimizer(),
+                             mesh_.world().world(), metadata);
+  }
+  std::map<std::string, std::string> load(const std::string& path) override {
+    return load_training_checkpoint(path, wrapper().checkpoint_state(), optimizer(), mesh_.world().world(),
+                                    /*optimizer_if_saved=*/true);
+  }
+
+ private:
+  Mesh& mesh_;  // owned by the base's keep_
+};
+
 // Stage 06: HSDP on the mesh of mesh_shape(), with stage 05's prefetch inside each replica. Micro-batches before
 // the last run under no_sync, or with the all-reduce deferred (--defer-all-reduce true).
 std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
@@ -497,8 +542,7 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
     fsdp::FullyShardedModel* w = wrapper.get();
     accumulation = [w](bool last) { hsdp::set_requires_all_reduce(*w, last); };
   }
-  return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper), nullptr,
-                                                                  std::move(mesh), std::move(accumulation));
+  return std::make_unique<HsdpRunner>(c, model, std::move(wrapper), std::move(mesh), std::move(accumulation));
 }
 
 }  // namespace
@@ -559,6 +603,8 @@ bool shards_parameters(const std::string& strategy) { return strategy.rfind("fsd
 bool prefetches(const std::string& strategy) { return strategy == "fsdp_prefetch" || strategy == "hsdp"; }
 
 bool clips(const std::string& strategy) { return strategy != "overlap_optimizer"; }
+
+bool checkpoints(const std::string& strategy) { return strategy != "overlap_optimizer"; }
 
 const Strategy& find_strategy(const std::string& name) {
   for (const auto& s : strategies())

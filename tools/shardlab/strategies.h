@@ -47,6 +47,10 @@ class StepRunner {
   virtual std::vector<CounterSample> counters() const { return {}; }
   /// Extra figures for the report, as `key value...` lines of the rank's result file (auto caps: what was chosen).
   virtual std::map<std::string, std::vector<double>> extra() const { return {}; }
+  /// Saves a checkpoint of the model and the optimizer in `dir` with `metadata` (a collective over the ranks).
+  virtual void save(const std::string& dir, const std::map<std::string, std::string>& metadata) = 0;
+  /// Loads the checkpoint at `path` into the model and the optimizer (a collective); returns its metadata.
+  virtual std::map<std::string, std::string> load(const std::string& path) = 0;
   /// Recorder indices [first, last) of collectives that were setup inside a step (auto caps' measurement), not
   /// training: the worker leaves them out of the per-step figures. Empty (0, 0) when there were none.
   virtual std::pair<size_t, size_t> setup_records() const { return {0, 0}; }
@@ -99,6 +103,10 @@ bool prefetches(const std::string& strategy);
 /// True when `strategy` can clip its gradients (--clip-norm): every one but overlap_optimizer, which steps each
 /// bucket's parameters inside backward, before the whole gradient (and so its norm) exists.
 bool clips(const std::string& strategy);
+
+/// True when `strategy` can save and load checkpoints (--save, --resume): every one but overlap_optimizer, whose
+/// per-parameter optimizers live inside its reducer.
+bool checkpoints(const std::string& strategy);
 
 /// Every strategy built so far, in course order.
 const std::vector<Strategy>& strategies();

@@ -66,7 +66,38 @@ double status_bytes(const std::string& key) {
   return 0;
 }
 
+// What a checkpoint of this run records beside the tensors: the steps done (where the data resumes: step k's
+// global batch is a function of k and the seed) and the settings a resumed run is compared against.
+std::map<std::string, std::string> checkpoint_metadata(const RunOptions& o, int steps_done) {
+  std::ostringstream lr;
+  lr.precision(17);
+  lr << o.train.lr;
+  return {{"step", std::to_string(steps_done)},
+          {"model", o.train.model},
+          {"seed", std::to_string(o.train.seed)},
+          {"global_batch", std::to_string(o.train.global_batch)},
+          {"optimizer", o.train.optimizer},
+          {"lr", lr.str()},
+          {"strategy", o.strategy},
+          {"world_size", std::to_string(o.world_size)}};
+}
+
 }  // namespace
+
+int resume_step(const std::map<std::string, std::string>& metadata, const std::string& path) {
+  // Weights only (exported, or from PyTorch; no optimizer state): training starts at step 0, whatever step the
+  // weights were taken at, with a fresh optimizer.
+  if (!metadata.count("optim.kind")) return 0;
+  const auto it = metadata.find("step");
+  if (it == metadata.end()) return 0;
+  try {
+    size_t used = 0;
+    const int step = std::stoi(it->second, &used);
+    if (used == it->second.size() && step >= 0) return step;
+  } catch (const std::exception&) {}
+  throw std::invalid_argument("--resume '" + path + "' has metadata step '" + it->second +
+                              "'; expected the count of steps done (a checkpoint of shardlab train)");
+}
 
 int run_worker(const RunOptions& options) {
   RunOptions o = options;
@@ -93,6 +124,14 @@ int run_worker(const RunOptions& options) {
     set_blas_threads(o.threads);
   }
   auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
+  int first_step = 0;  // --resume: the checkpoint's step, where this run's data starts
+  if (!o.resume_dir.empty()) {
+    const int64_t t0 = now_ns();
+    first_step = resume_step(runner->load(o.resume_dir), o.resume_dir);
+    if (rank == 0)
+      std::cout << "loaded checkpoint '" << o.resume_dir << "' (step " << first_step << ") in " << std::fixed
+                << std::setprecision(1) << (now_ns() - t0) / 1e6 << std::defaultfloat << " ms" << std::endl;
+  }
   CommRecorder* recorder = group_world ? &group_world->recorder() : nullptr;
   Timeline timeline;
   runner->set_timeline(o.trace_dir.empty() ? nullptr : &timeline);
@@ -105,17 +144,29 @@ int run_worker(const RunOptions& options) {
   const int64_t first_step_ns = now_ns();
   bool hwm_reset = false;  // Note [Peak RSS over the steady state]
   double rss_sampled = 0;
-  for (int step = 0; step < o.train.steps; ++step) {
-    if (step == o.train.steps / 2) hwm_reset = reset_peak_rss();
+  std::vector<std::pair<size_t, size_t>> saves;  // recorder ranges of the checkpoints' collectives: not training's
+  const int half = first_step + (o.train.steps - first_step) / 2;
+  for (int step = first_step; step < o.train.steps; ++step) {
+    if (step == half) hwm_reset = reset_peak_rss();
     Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world).to(device);
     const auto t0 = std::chrono::steady_clock::now();
     step_starts_ns.push_back(now_ns());
     losses.push_back(runner->step(local));
     step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    if (step >= o.train.steps / 2) rss_sampled = std::max(rss_sampled, status_bytes("VmRSS"));
+    if (step >= half) rss_sampled = std::max(rss_sampled, status_bytes("VmRSS"));
     // Every rank reports; the driver draws the mean (the global batch's loss). See run_strategy.
     std::cout << "@@progress " << step + 1 << " " << o.train.steps << " " << std::setprecision(17) << losses.back()
               << std::endl;
+    const bool last = step + 1 == o.train.steps;
+    if (!o.save_dir.empty() && (last || (o.save_every > 0 && (step + 1) % o.save_every == 0))) {
+      const size_t from = recorder ? recorder->size() : 0;
+      const int64_t t0 = now_ns();
+      runner->save(o.save_dir, checkpoint_metadata(o, step + 1));
+      if (recorder) saves.emplace_back(from, recorder->size());
+      if (rank == 0)
+        std::cout << "saved checkpoint '" << o.save_dir << "' at step " << step + 1 << " in " << std::fixed
+                  << std::setprecision(1) << (now_ns() - t0) / 1e6 << std::defaultfloat << " ms" << std::endl;
+    }
   }
 
   const int64_t last_step_ns = now_ns();
@@ -126,7 +177,7 @@ int run_worker(const RunOptions& options) {
   const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
   std::ofstream out(prefix + ".txt");
   out.precision(17);
-  out << "losses";
+  out << "first_step " << first_step << "\nlosses";
   for (double l : losses) out << ' ' << l;
   out << "\nstep_ms";
   for (double t : step_ms) out << ' ' << t;
@@ -138,11 +189,13 @@ int run_worker(const RunOptions& options) {
   std::map<std::string, std::string> group_names;              // role -> this rank's group of it ("shard(0,1)")
   if (recorder) {
     std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
-    const auto [skip_from, skip_to] = runner->setup_records();
+    saves.push_back(runner->setup_records());
     const auto all = recorder->snapshot();
     for (size_t i = setup; i < all.size(); ++i) {
-      if (i >= skip_from && i < skip_to) {
-        setup_collectives += 1;
+      const bool skipped =
+          std::any_of(saves.begin(), saves.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
+      if (skipped) {
+        setup_collectives += 1;  // a runner's measurement, or a checkpoint: once, not every step
         continue;
       }
       records.push_back(all[i]);

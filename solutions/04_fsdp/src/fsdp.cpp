@@ -74,11 +74,15 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
   std::vector<Unit>& slots = model_->units();
   const size_t root = slots.size();
   std::map<const c10::TensorImpl*, size_t> unit_of;
+  std::map<const c10::TensorImpl*, std::string> name_in_unit;  // its full model name in the unit that came first
   for (size_t u = 0; u < slots.size(); ++u) {
     for (const auto& item : slots[u].module->named_parameters(/*recurse=*/true)) {
+      const std::string full = slots[u].name + "." + item.key();
       auto [it, fresh] = unit_of.emplace(item.value().unsafeGetTensorImpl(), u);
+      if (fresh) name_in_unit.emplace(item.value().unsafeGetTensorImpl(), full);
       if (!fresh && it->second != u)
-        throw std::invalid_argument("FullyShardedModel: parameter '" + item.key() + "' belongs to units '" +
+        throw std::invalid_argument("FullyShardedModel: parameter '" + full + "' is also '" +
+                                    name_in_unit.at(item.value().unsafeGetTensorImpl()) + "': it belongs to units '" +
                                     slots[it->second].name + "' and '" + slots[u].name +
                                     "'; a parameter may be sharded in one unit only (register the shared module in "
                                     "one unit, or keep it in the root)");

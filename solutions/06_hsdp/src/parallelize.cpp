@@ -1,6 +1,7 @@
 #include "shardlab/hsdp/parallelize.h"
 
 #include "shardlab/comm_hooks/comm_hook.h"
+#include "shardlab/common/training_state.h"
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/prefetch/prefetch.h"
 
@@ -47,6 +48,31 @@ std::vector<at::Tensor> DataParallel::parameters() {
 
 double DataParallel::clip_grad_norm(double max_norm, double p) {
   return sharded_ ? sharded_->clip_grad_norm(max_norm, p) : ddp_->clip_grad_norm(max_norm, p);
+}
+
+void DataParallel::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                                   const std::map<std::string, std::string>& metadata) {
+  if (kind_ == Kind::kDdp) return ddp_->save_checkpoint(dir, optimizer, metadata);
+  // FSDP and HSDP: the first replica's ranks write their rows; the whole world agrees on the outcome.
+  save_training_checkpoint(dir, sharded_->checkpoint_state(mesh_.replica_index() == 0), optimizer,
+                           mesh_.world().world(), metadata);
+}
+
+std::map<std::string, std::string> DataParallel::load_checkpoint(const std::string& path,
+                                                                 torch::optim::Optimizer* optimizer,
+                                                                 bool optimizer_if_saved) {
+  if (kind_ == Kind::kDdp) return ddp_->load_checkpoint(path, optimizer, optimizer_if_saved);
+  return load_training_checkpoint(path, sharded_->checkpoint_state(), optimizer, mesh_.world().world(),
+                                  optimizer_if_saved);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> DataParallel::full_state_dict() {
+  if (sharded_) return sharded_->full_state_dict();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true))
+    out.emplace_back(item.key(), item.value().detach().clone());
+  for (const auto& item : model_->named_buffers(/*recurse=*/true)) out.emplace_back(item.key(), item.value().clone());
+  return out;
 }
 
 std::vector<at::Tensor> DataParallel::full_parameters() {

@@ -3,6 +3,7 @@
 #include "shardlab/common/errors.h"
 #include "shardlab/common/grad_clip.h"
 #include "shardlab/common/model_check.h"
+#include "shardlab/common/training_state.h"
 
 #include <stdexcept>
 
@@ -38,6 +39,17 @@ double NaiveDDP::clip_grad_norm(double max_norm, double p) {
         "NaiveDDP::clip_grad_norm: called inside no_sync, where each rank holds its own, unaveraged gradients; "
         "clip after the synchronized backward that ends the accumulation");
   return shardlab::clip_grad_norm(params_, max_norm, p, nullptr);
+}
+
+void NaiveDDP::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                               const std::map<std::string, std::string>& metadata) {
+  save_training_checkpoint(dir, replicated_state(*module_, comm_.rank()), optimizer, comm_, metadata);
+}
+
+std::map<std::string, std::string> NaiveDDP::load_checkpoint(const std::string& path,
+                                                             torch::optim::Optimizer* optimizer,
+                                                             bool optimizer_if_saved) {
+  return load_training_checkpoint(path, replicated_state(*module_, comm_.rank()), optimizer, comm_, optimizer_if_saved);
 }
 
 void broadcast_state(Model& module, Communicator& comm, StructureCheck check) {

@@ -5,6 +5,7 @@
 #include "shardlab/common/flat_storage.h"
 #include "shardlab/common/grad_clip.h"
 #include "shardlab/common/model_check.h"
+#include "shardlab/common/training_state.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <sstream>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -79,6 +81,7 @@ at::Tensor BucketedDDP::grad_buffer(c10::ScalarType dtype) const {
 }
 
 void BucketedDDP::lay_out(const std::vector<size_t>& order) {
+  layout_order_ = order;
   const auto groups = assign_buckets(params_, order, options_.caps);
   std::vector<Bucket> buckets;
   std::map<c10::ScalarType, at::Tensor> buffers;  // dtype -> flat gradient buffer
@@ -135,6 +138,74 @@ double BucketedDDP::clip_grad_norm(double max_norm, double p) {
         "BucketedDDP::clip_grad_norm: called inside no_sync, where each rank holds its own, unaveraged "
         "gradients; clip after the synchronized backward that ends the accumulation");
   return shardlab::clip_grad_norm(params_, max_norm, p, nullptr);
+}
+
+// Note [The bucket layout in a checkpoint]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The layout sets the summation order: Gloo's all-reduce adds each element's ranks in an order that depends on
+// where the element sits in its bucket, so the same gradients laid out otherwise round otherwise. A run resumed
+// from a checkpoint continues bit for bit only with the layout the uninterrupted run had: the rebuilt order (by
+// parameter name) and the caps (tuned ones included) travel in the metadata, and a load lays the buckets out that
+// way at the next training forward. A checkpoint from another wrapper has none: the buckets are rebuilt from the
+// first backward, as in a fresh run.
+
+namespace {
+constexpr const char* kOrderKey = "bucketed_ddp.rebuilt_order";  // names, one per line
+constexpr const char* kCapsKey = "bucketed_ddp.caps";            // "first_bytes bytes"
+}  // namespace
+
+void BucketedDDP::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                                  const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, std::string> meta = metadata;
+  if (rebuilt_ || rebuild_pending_) {
+    // The layout the next training forward uses: a loaded one not laid out yet, a rebuild pending (after the first
+    // backward, or set_caps) from the last ready order (rank 0's, which the rebuild adopts and whose metadata is
+    // the one saved), or the one in place.
+    const std::vector<size_t>& next = !restored_order_.empty() ? restored_order_
+                                      : rebuild_pending_       ? ready_order_
+                                                               : layout_order_;
+    std::string order;
+    for (size_t p : next) order += names_[p] + "\n";
+    meta[kOrderKey] = order;
+    meta[kCapsKey] = std::to_string(options_.caps.first_bytes) + " " + std::to_string(options_.caps.bytes);
+  }
+  save_training_checkpoint(dir, replicated_state(*module_, comm_.rank()), optimizer, comm_, meta);
+}
+
+std::map<std::string, std::string> BucketedDDP::load_checkpoint(const std::string& path,
+                                                                torch::optim::Optimizer* optimizer,
+                                                                bool optimizer_if_saved) {
+  auto meta =
+      load_training_checkpoint(path, replicated_state(*module_, comm_.rank()), optimizer, comm_, optimizer_if_saved);
+  const auto order = meta.find(kOrderKey);
+  const auto caps = meta.find(kCapsKey);
+  if (order == meta.end() || caps == meta.end()) return meta;
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < names_.size(); ++i) index[names_[i]] = i;
+  std::vector<size_t> restored;
+  std::istringstream lines(order->second);
+  for (std::string name; std::getline(lines, name);) {
+    const auto it = index.find(name);
+    if (it == index.end()) return meta;  // another model's layout: rebuild from the first backward
+    restored.push_back(it->second);
+  }
+  BucketCaps c;
+  std::istringstream(caps->second) >> c.first_bytes >> c.bytes;
+  std::vector<char> seen(params_.size(), 0);
+  bool permutation = restored.size() == params_.size();
+  for (size_t i : restored) permutation = permutation && seen[i]++ == 0;
+  if (!permutation || c.first_bytes <= 0 || c.bytes <= 0) {
+    warn_once("bucketed_ddp.checkpoint_layout",
+              "BucketedDDP::load_checkpoint: the checkpoint's bucket layout is not a layout of this model's "
+              "parameters; the buckets are rebuilt from the first backward (the continuation may round "
+              "differently from the saved run's)");
+    return meta;
+  }
+  options_.caps = c;
+  restored_order_ = std::move(restored);
+  rebuilt_ = true;
+  rebuild_pending_ = true;
+  return meta;
 }
 
 at::Tensor BucketedDDP::loss(const Batch& batch) {
@@ -278,8 +349,11 @@ void BucketedDDP::set_caps(BucketCaps caps) {
 void BucketedDDP::rebuild_buckets() {
   rebuild_pending_ = false;
   rebuilt_ = true;
-  // Ranks may have seen their gradients in different orders: all adopt rank 0's (task 2).
-  lay_out(agree_on_order(comm_, ready_order_, params_.front().device()));
+  // Ranks may have seen their gradients in different orders: all adopt rank 0's (task 2). A loaded checkpoint's
+  // layout comes first (Note [The bucket layout in a checkpoint]).
+  const std::vector<size_t> order = restored_order_.empty() ? ready_order_ : std::move(restored_order_);
+  restored_order_.clear();
+  lay_out(agree_on_order(comm_, order, params_.front().device()));
 }
 
 // ---- Task 4: the ready -> launch -> finish machine (contracts and invariants in bucketed_ddp.h).

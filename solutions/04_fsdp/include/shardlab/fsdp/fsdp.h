@@ -27,6 +27,7 @@
 /// FSDP homework (unshard / wait_for_unshard / reshard, pre/post forward and backward hooks), ZeRO (Rajbhandari et
 /// al., 2019), FSDP (Zhao et al., VLDB 2023).
 
+#include "shardlab/common/checkpoint.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
@@ -38,8 +39,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab::fsdp {
@@ -180,6 +183,10 @@ class FullyShardedModel {
   /// Every parameter's full values in the original dtype, in the model's registration order (fresh tensors).
   /// A collective: every rank must call it.
   std::vector<at::Tensor> full_parameters();
+  /// The model as one device holds it, named: (full name, fresh full tensor) for every parameter in registration
+  /// order (a tied weight under each of its names), then every buffer: PyTorch's state_dict() of the unsharded
+  /// model. A collective: every rank must call it.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
 
   /// Skips the reduce-scatters for backward passes run while the returned scope lives (gradient accumulation):
   /// unsharded gradients accumulate (in the reduce dtype) and the first backward after the scope reduces them.
@@ -198,6 +205,33 @@ class FullyShardedModel {
   ///         reducer holds a partial (HSDP's all-reduce deferred); std::invalid_argument for a negative max_norm or
   ///         a p that is not positive.
   double clip_grad_norm(double max_norm, double p = 2.0);
+
+  /// This rank's part of the model's state, for a checkpoint (training_state.h): every parameter's real rows as
+  /// its sharded parameter holds them (full name, full sizes, its torch.chunk rows: never the padding), in
+  /// registration order, then the buffers (replicated: rank 0 of the group saves them). Reshards every unit first:
+  /// a load writes into the sharded parameters, and a unit left gathered would compute on the old values.
+  /// @param saves false on a rank whose rows another rank saves (HSDP's replicas but the first).
+  ShardedState checkpoint_state(bool saves = true);
+  /// Saves the model's shards and `optimizer`'s state for them (laid out like them) as a sharded checkpoint in
+  /// `dir`, each rank writing its own rows (training_state.h, checkpoint.h). A collective over the wrapper's
+  /// group, between steps.
+  /// @param dir the checkpoint's directory (on a filesystem every rank sees).
+  /// @param optimizer built over parameters(); null to save the model only.
+  /// @param metadata strings to keep with the checkpoint (rank 0's).
+  /// @throws std::logic_error under HSDP (the replicas would all write: save through DataParallel); as
+  ///         save_training_checkpoint otherwise, on every rank alike.
+  void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                       const std::map<std::string, std::string>& metadata = {});
+  /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file): each rank reads the
+  /// saved rows that overlap its own; all or nothing. A collective over the wrapper's group, between steps.
+  /// @param path the checkpoint's directory, or a safetensors file.
+  /// @param optimizer built over parameters(); null to load the model only.
+  /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
+  ///        leaves `optimizer` as it is (load_training_checkpoint).
+  /// @return the saved metadata.
+  /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
+  std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
+                                                     bool optimizer_if_saved = false);
 
   /// The units: the model's units in registration order, then the root (when it has parameters).
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }

@@ -23,8 +23,10 @@
 #include "shardlab/naive_ddp/no_sync.h"
 #include "shardlab/prefetch/prefetch_policy.h"
 
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab {
@@ -81,11 +83,34 @@ class DataParallel {
   /// Every parameter of the model as one device holds it, registration order. A collective (FSDP and HSDP gather):
   /// every rank calls it.
   std::vector<at::Tensor> full_parameters();
+  /// The model as one device holds it, named, as FullyShardedModel::full_state_dict (DDP: copies of the replica's
+  /// tensors). A collective (FSDP and HSDP gather): every rank calls it.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   /// Clips the gradients by the whole model's p-norm, as PyTorch's clip_grad_norm_ (grad_clip.h): DDP with no
   /// collective, FSDP and HSDP with one all-reduce over the shard group (replicas counted once). Call it on every
   /// rank between backward and the optimizer's step. @return the total norm before clipping.
   /// @throws as BucketedDDP::clip_grad_norm and FullyShardedModel::clip_grad_norm.
   double clip_grad_norm(double max_norm, double p = 2.0);
+  /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing the
+  /// one there atomically (training_state.h, checkpoint.h): DDP's rank 0 writes the replica; FSDP's ranks each
+  /// write their rows; under HSDP the first replica's ranks write theirs (the other replicas hold the same). Any
+  /// wrapper at any mesh shape loads it. A collective over the whole world, between steps.
+  /// @param dir the checkpoint's directory (on a filesystem every rank sees).
+  /// @param optimizer built over parameters(); null to save the model only.
+  /// @param metadata strings to keep with the checkpoint (rank 0's).
+  /// @throws as save_training_checkpoint, on every rank alike.
+  void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                       const std::map<std::string, std::string>& metadata = {});
+  /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file); all or nothing. A
+  /// collective over the whole world, between steps.
+  /// @param path the checkpoint's directory, or a safetensors file.
+  /// @param optimizer built over parameters(); null to load the model only.
+  /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
+  ///        leaves `optimizer` as it is (load_training_checkpoint).
+  /// @return the saved metadata.
+  /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
+  std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
+                                                     bool optimizer_if_saved = false);
   /// HSDP: defers (false) or restores (true) the all-reduce across replicas, for accumulation (see
   /// hsdp::set_requires_all_reduce). @throws std::invalid_argument for DDP and FSDP, which have no such all-reduce.
   void set_requires_all_reduce(bool requires_all_reduce);

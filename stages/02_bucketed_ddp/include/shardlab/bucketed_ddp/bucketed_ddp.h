@@ -104,6 +104,26 @@ class BucketedDDP {
   ///         std::invalid_argument for a negative max_norm or a p that is not positive.
   double clip_grad_norm(double max_norm, double p = 2.0);
 
+  /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing the
+  /// one there atomically (training_state.h, checkpoint.h). Every rank holds the same replica: rank 0 writes it.
+  /// `metadata` (rank 0's) is saved alongside. A collective: every rank calls it, between steps.
+  /// @param dir the checkpoint's directory (on a filesystem every rank sees).
+  /// @param optimizer built over parameters(); null to save the model only.
+  /// @param metadata strings to keep with the checkpoint (the step, the data position).
+  /// @throws as save_training_checkpoint, on every rank alike.
+  void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                       const std::map<std::string, std::string>& metadata = {});
+  /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file) into the model and,
+  /// when not null, `optimizer`; all or nothing. A collective: every rank calls it, between steps.
+  /// @param path the checkpoint's directory, or a safetensors file.
+  /// @param optimizer built over parameters(); null to load the model only.
+  /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
+  ///        leaves `optimizer` as it is (load_training_checkpoint).
+  /// @return the saved metadata.
+  /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
+  std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
+                                                     bool optimizer_if_saved = false);
+
   /// The trainable parameters, in registration order (bucket indices refer to these).
   const std::vector<at::Tensor>& parameters() const { return params_; }
   /// Their names ("block0.fc.weight").
@@ -181,6 +201,8 @@ class BucketedDDP {
   std::vector<int64_t> last_ready_ns_;  // the same for the last synchronized backward that completed
   int64_t last_end_ns_ = 0;             // its latest ready time: when its compute ended
   bool rebuild_pending_ = false;
+  std::vector<size_t> layout_order_;    // the order the buckets were last laid out from (assign_buckets')
+  std::vector<size_t> restored_order_;  // a loaded checkpoint's bucket order, laid out at the next training forward
   bool rebuilt_ = false;
   // True from the first synchronized gradient of a backward until finish_sync has settled that backward. Still true
   // at the next forward only when the backward was cut short (an exception in backward, or in finish_sync's waits):

@@ -1,0 +1,55 @@
+// FullyShardedModel's checkpoints: its state as rows of the full parameters (checkpoint.h, training_state.h).
+#include "shardlab/common/errors.h"
+#include "shardlab/common/training_state.h"
+#include "shardlab/fsdp/fsdp.h"
+
+#include <set>
+#include <stdexcept>
+
+namespace shardlab::fsdp {
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedModel::full_state_dict() {
+  const std::vector<at::Tensor> full = full_parameters();  // one per registration, as named_parameters lists them
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  size_t i = 0;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), full.at(i++));
+  SHARDLAB_INTERNAL_ASSERT(i == full.size(), "full_parameters and named_parameters list the registrations alike");
+  for (const auto& item : model_->named_buffers(/*recurse=*/true)) out.emplace_back(item.key(), item.value().clone());
+  return out;
+}
+
+ShardedState FullyShardedModel::checkpoint_state(bool saves) {
+  reshard_all();
+  ShardedState state;
+  const int rank = comm_.rank();
+  std::set<std::pair<size_t, size_t>> taken;  // a tensor registered twice (tied) is saved once, under its first name
+  for (const auto& [u, k] : order_) {
+    if (!taken.insert({u, k}).second) continue;
+    const FsdpParam& p = units_[u]->params()[k];
+    state.tensors.push_back({p.name, p.sharded, p.spec.sizes, p.spec.first_row_of(rank), saves});
+  }
+  std::set<const void*> seen;
+  for (const auto& item : model_->named_buffers(/*recurse=*/true)) {
+    const at::Tensor& b = item.value();
+    if (!b.defined() || !seen.insert(b.unsafeGetTensorImpl()).second) continue;
+    state.tensors.push_back({item.key(), b, b.sizes().vec(), 0, saves && rank == 0});
+  }
+  return state;
+}
+
+void FullyShardedModel::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                                        const std::map<std::string, std::string>& metadata) {
+  if (options_.broadcast_group != nullptr && options_.broadcast_group != &comm_)
+    throw std::logic_error(
+        "FullyShardedModel::save_checkpoint: this wrapper is one replica of HSDP (its broadcast group is not its "
+        "shard group); every replica would write the same rows: save through DataParallel::save_checkpoint");
+  save_training_checkpoint(dir, checkpoint_state(), optimizer, comm_, metadata);
+}
+
+std::map<std::string, std::string> FullyShardedModel::load_checkpoint(const std::string& path,
+                                                                      torch::optim::Optimizer* optimizer,
+                                                                      bool optimizer_if_saved) {
+  return load_training_checkpoint(path, checkpoint_state(), optimizer, comm_, optimizer_if_saved);
+}
+
+}  // namespace shardlab::fsdp

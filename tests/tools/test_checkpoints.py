@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Checkpoints through the tool, as real processes (issue 20):
+  1. `shardlab train --save` at world size 2 (FSDP), `--resume` at world size 3 (bucketed DDP) continues as the
+     single-device run; `shardlab export` writes one safetensors file; the reader of docs/checkpoints.md (numpy
+     only, run from the document itself) reads both, and Hugging Face's reader where it is installed.
+  2. PyTorch, both ways (where python3 has torch): the exported weights load into the bench's PyTorch tiny GPT
+     (tools/bench/torch_ddp.py) and give the loss shardlab reported on the same batch; PyTorch's weights, saved as
+     safetensors, start a shardlab run whose first loss is PyTorch's.
+  3. Kills: a rank killed in the middle of training stops the job, naming the rank, and the last checkpoint is
+     whole and resumable; the whole job killed at random moments while it saves every step never leaves a
+     checkpoint that fails its checks.
+Usage: test_checkpoints.py SHARDLAB SOURCE_DIR"""
+import importlib.util
+import json
+import os
+import queue
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+SHARDLAB, SOURCE = sys.argv[1], sys.argv[2]
+errors = []
+
+
+def check(ok, message):
+    print(("ok:   " if ok else "FAIL: ") + message, flush=True)
+    if not ok:
+        errors.append(message)
+
+
+# The document's own reader: the lines a user copies are the lines tested.
+doc = open(os.path.join(SOURCE, "docs", "checkpoints.md")).read()
+reader_code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+doc_ns = {}
+exec(reader_code, doc_ns)
+read_safetensors, read_sharded = doc_ns["read_safetensors"], doc_ns["read_sharded"]
+
+
+def run(*args, timeout=300):
+    cmd = [SHARDLAB, *args]
+    print("running:", " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def train(tmp, name, *args):
+    path = os.path.join(tmp, name + ".json")
+    run("train", *args, "--json", path)
+    return json.load(open(path))
+
+
+def write_safetensors(path, tensors, metadata=None):  # what torch's and numpy's users write: the plain format
+    header, offset, blobs = {}, 0, []
+    names = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        blobs.append(a.tobytes())
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    ckpt = os.path.join(tmp, "ckpt")
+    common = ["--model", "tiny_gpt", "--global-batch", "12", "--optimizer", "adamw", "--lr", "0.01"]
+    # ---- 1. save at 2 (FSDP), resume at 3 (bucketed DDP), export, read -----------------------------------------------
+    first = train(tmp, "first", "--strategy", "fsdp", "--world-size", "2", "--steps", "2", *common, "--save", ckpt)
+    check(first["save_dir"] == ckpt and first["first_step"] == 0, f"the report names the checkpoint: {first['save_dir']}")
+    resumed = train(tmp, "resumed", "--strategy", "bucketed_ddp", "--world-size", "3", "--steps", "3", *common,
+                    "--resume", ckpt)
+    check(resumed["first_step"] == 2 and len(resumed["losses"]) == 1 and len(resumed["reference_losses"]) == 1,
+          f"resumed at step 2, one step run: first_step {resumed['first_step']}, losses {resumed['losses']}")
+    check(resumed["max_param_diff"] <= 1e-5,
+          f"FSDP x2 for 2 steps, then DDP x3 for 1, matches one device for 3: max |diff| {resumed['max_param_diff']}")
+    late = subprocess.run([SHARDLAB, "train", "--strategy", "fsdp", "--world-size", "2", "--steps", "2", *common,
+                           "--resume", ckpt], capture_output=True, text=True, timeout=120)
+    check(late.returncode == 2 and "holds step 2; --steps is the step to train up to and must be greater" in late.stderr,
+          f"--resume at step 2 with --steps 2 is refused before any rank starts: {late.stderr.strip()!r}")
+    model_file = os.path.join(tmp, "model.safetensors")
+    run("export", ckpt, model_file)
+    weights, meta = read_safetensors(model_file)
+    check(meta.get("step") == "2" and not any(k.startswith("optim.") for k in weights),
+          f"the export holds the model only, with the step: {sorted(meta)}")
+    whole, _ = read_sharded(ckpt)
+    same = all(np.array_equal(weights[k], whole[k]) for k in weights)
+    check(same and set(weights) <= set(whole), "the document's sharded reader gives the export's tensors bit for bit")
+    try:
+        from safetensors.numpy import load_file  # Hugging Face's reader (Debian trixie: python3-safetensors)
+    except ImportError:
+        print("skip: Hugging Face's safetensors is not installed here (trixie's python3-safetensors has it)")
+    else:
+        hf = load_file(model_file)
+        check(set(hf) == set(weights) and all(np.array_equal(hf[k], weights[k]) for k in hf),
+              "Hugging Face's load_file reads the export as the document's reader does")
+        shard = load_file(os.path.join(ckpt, "rank-00001-of-00002.safetensors"))
+        check(len(shard) > 0, f"and each rank's file: {len(shard)} tensors in rank 1's")
+
+    # ---- 2. PyTorch, both ways ---------------------------------------------------------------------------------------
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        print("skip: python3 has no torch here (Debian 12's python3-torch has it)")
+    if torch is not None:
+        spec = importlib.util.spec_from_file_location("torch_ddp", os.path.join(SOURCE, "tools/bench/torch_ddp.py"))
+        torch_ddp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(torch_ddp)
+        vocab = torch_ddp.corpus_vocab_size()
+
+        def gpt(seed):
+            return torch_ddp.TinyGpt(vocab, 32, 32, 2, 4, seed)
+
+        def global_batch(step, size=12, seed=1):  # shardlab's TextDataset::global_batch, step for step
+            mask = (1 << 64) - 1
+            z = (seed * 0x9E3779B97F4A7C15 + 3 * 0xBF58476D1CE4E5B9 + step + 1) & mask
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+            z ^= z >> 31
+            text = open(os.path.join(SOURCE, "common/data/tiny_corpus.txt"), "rb").read()
+            vocab_chars = sorted(set(text))
+            tokens = torch.tensor([vocab_chars.index(c) for c in text], dtype=torch.long)
+            starts = torch.randint(len(tokens) - 32 - 1, (size,), generator=torch.Generator().manual_seed(z))
+            index = starts.unsqueeze(1) + torch.arange(32).unsqueeze(0)
+            return tokens[index], tokens[index + 1]
+
+        model = gpt(5)
+        missing = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True)
+        check(not missing.missing_keys and not missing.unexpected_keys, "the export loads into PyTorch's tiny GPT")
+        with torch.no_grad():
+            loss = model(*global_batch(2)).item()
+        check(abs(loss - resumed["losses"][0]) <= 1e-5 * abs(loss),
+              f"PyTorch's loss on step 2's batch {loss:.7f} = shardlab's {resumed['losses'][0]:.7f}")
+        # PyTorch -> shardlab: its weights as safetensors start a run; the first loss is PyTorch's.
+        theirs = gpt(7)
+        torch_file = os.path.join(tmp, "torch.safetensors")
+        write_safetensors(torch_file, {k: v.detach().numpy() for k, v in theirs.state_dict().items()})
+        started = train(tmp, "from_torch", "--strategy", "single", "--world-size", "1", "--steps", "1", *common,
+                        "--resume", torch_file)
+        with torch.no_grad():
+            expected = theirs(*global_batch(0)).item()
+        check(abs(started["losses"][0] - expected) <= 1e-5 * abs(expected),
+              f"shardlab's first loss from PyTorch's weights {started['losses'][0]:.7f} = PyTorch's {expected:.7f}")
+
+    # ---- 3. kills ----------------------------------------------------------------------------------------------------
+    def descendants(root):
+        children = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(pid))
+        out, todo = [], [root]
+        while todo:
+            for c in children.get(todo.pop(), []):
+                out.append(c)
+                todo.append(c)
+        return out
+
+    def rank_process(root, rank):
+        for pid in descendants(root):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"worker" in cmd and f"RANK={rank}".encode() in env:
+                return pid
+        return None
+
+    def whole_and_loadable(path, what):
+        p = subprocess.run([SHARDLAB, "export", path, os.path.join(tmp, "check.safetensors")], capture_output=True,
+                           text=True, timeout=120)
+        check(p.returncode == 0, f"{what}: the checkpoint passes every check ({(p.stdout + p.stderr).strip()[-300:]})")
+        return json.load(open(os.path.join(path, "index.json")))["metadata"]["step"]
+
+    live = os.path.join(tmp, "live")
+    endless = ["--strategy", "fsdp", "--world-size", "2", "--model", "mlp", "--steps", "100000", "--global-batch", "8",
+               "--save", live, "--save-every", "1"]
+
+    class Job:
+        """`shardlab train` in the background; its output read by a thread, so that no wait blocks on a pipe."""
+
+        def __init__(self, *extra):
+            self.p = subprocess.Popen([SHARDLAB, "train", *endless, *extra], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            self.lines = queue.Queue()
+            self.out = []
+            threading.Thread(target=self._read, daemon=True).start()
+
+        def _read(self):
+            for line in self.p.stdout:
+                self.out.append(line)
+                self.lines.put(line)
+            self.lines.put(None)
+
+        def wait_for_saves(self, count, timeout=120):
+            seen, deadline = 0, time.time() + timeout
+            while seen < count and time.time() < deadline:
+                try:
+                    line = self.lines.get(timeout=max(0.1, deadline - time.time()))
+                except queue.Empty:
+                    break
+                if line is None:
+                    break
+                seen += "saved checkpoint" in line
+            return seen
+
+        def kill_all(self):  # the driver and every rank: nothing outlives the test
+            for pid in [self.p.pid, *descendants(self.p.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.p.wait(timeout=60)
+
+    job = Job()
+    try:
+        check(job.wait_for_saves(3) == 3, "the job saves a checkpoint after every step")
+        victim = rank_process(job.p.pid, 1)
+        check(victim is not None, f"found rank 1's process ({victim})")
+        killed_at = time.time()
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)
+        code = job.p.wait(timeout=120)
+        took = time.time() - killed_at
+        time.sleep(0.2)  # the reader thread's last lines
+        out = "".join(job.out)
+        check(code != 0 and re.search(r"rank 1\b", out) is not None,
+              f"a killed rank stops the job ({took:.1f} s, exit {code}) naming it: {out.strip()[-300:]!r}")
+    finally:
+        job.kill_all()
+    step = int(whole_and_loadable(live, "after rank 1 was killed"))
+    resumed_after_kill = train(tmp, "after_kill", "--strategy", "fsdp", "--world-size", "2", "--model", "mlp",
+                               "--steps", str(step + 2), "--global-batch", "8", "--resume", live)
+    check(resumed_after_kill["first_step"] == step and resumed_after_kill["max_param_diff"] <= 1e-5,
+          f"it resumes at step {step} and continues as one device: max |diff| {resumed_after_kill['max_param_diff']}")
+
+    rng = random.Random(20)
+    for attempt in range(4):
+        job = Job("--resume", live)
+        try:
+            saved = job.wait_for_saves(1)
+            check(saved == 1, f"attempt {attempt + 1}: the resumed job loaded the checkpoint and saved again")
+            time.sleep(rng.uniform(0.0, 0.05))  # saves run back to back: a random moment is as likely inside one
+        finally:
+            job.kill_all()
+        time.sleep(0.2)
+        whole_and_loadable(live, f"the whole job killed at a random moment (attempt {attempt + 1})")
+    last = train(tmp, "after_kills", "--strategy", "fsdp", "--world-size", "2", "--model", "mlp", "--steps",
+                 str(int(whole_and_loadable(live, "after the last kill")) + 1), "--global-batch", "8",
+                 "--resume", live)
+    check(last["max_param_diff"] <= 1e-5, f"and resumes after the last kill: max |diff| {last['max_param_diff']}")
+
+if errors:
+    sys.exit("FAILED:\n  " + "\n  ".join(errors))
+print("test_checkpoints: all passed")
