@@ -1,5 +1,6 @@
 #include "shardlab/common/checkpoint.h"
 
+#include "shardlab/common/errors.h"
 #include "shardlab/common/safetensors.h"
 #include "shardlab/common/text_gather.h"
 
@@ -27,14 +28,15 @@ namespace shardlab {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A save may be killed at any moment (a rank dies, the job is preempted), and the previous checkpoint must then
 // still be there, whole. So nothing is written where the checkpoint is until everything is complete:
-//  1. rank 0 makes a staging directory beside it, `<dir>.partial` (a leftover of a killed save is removed first);
+//  1. rank 0 makes a staging directory beside it, `<dir>.shardlab-partial` (a leftover of a killed save is removed
+//  first);
 //     the ranks agree that it exists (an all-gather of text: any rank's error stops every rank);
 //  2. every rank that saves rows writes its safetensors file there and flushes it to the disk (fsync), then the
 //     ranks all-gather what each wrote (which rows of which tensor, the CRC-32 of each piece) or its error;
 //  3. rank 0 checks that the pieces tile every tensor exactly once, writes `index.json` last and flushes it and
 //     the directory, then puts the staging directory in place of `<dir>` in one step: rename(2) when there is
 //     none, else renameat2(RENAME_EXCHANGE), which swaps the two directories atomically (where a filesystem
-//     cannot, `<dir>` is first renamed to `<dir>.old`, which read_checkpoint_index falls back to); the old
+//     cannot, `<dir>` is first renamed to `<dir>.shardlab-old`, which read_checkpoint_index falls back to); the old
 //     checkpoint, now in the staging directory, is removed. A last all-gather tells every rank the outcome.
 // A kill before the swap leaves `<dir>` untouched; after it, `<dir>` is the new checkpoint, whole: its index was
 // written after every file it names was on the disk. A directory that is not a shardlab checkpoint (no
@@ -64,6 +66,9 @@ constexpr int kFormatVersion = 1;
 constexpr const char* kFormatName = "shardlab.checkpoint";
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kCrcKey = "shardlab.crc32.";  // full checkpoints: "__metadata__" key of a tensor's CRC-32
+// The save's own siblings of a checkpoint (names no user picks by chance: they are removed without asking).
+constexpr const char* kStagingSuffix = ".shardlab-partial";
+constexpr const char* kOldSuffix = ".shardlab-old";
 
 // An error every rank throws alike: 'I' std::invalid_argument, 'R' std::runtime_error.
 struct Outcome {
@@ -175,13 +180,18 @@ void swap_into_place(const std::string& staging, const std::string& dir) {
   } else if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
     fs::remove_all(staging, ec);  // the previous checkpoint
   } else {
-    const std::string old = dir + ".old";
+    const std::string old = dir + kOldSuffix;
     fs::remove_all(old, ec);
     if (::rename(dir.c_str(), old.c_str()) != 0 || ::rename(staging.c_str(), dir.c_str()) != 0)
       throw std::runtime_error("cannot put '" + staging + "' in place of '" + dir + "': " + std::strerror(errno));
   }
-  fs::remove_all(dir + ".old", ec);  // the fallback's, or a stale one from a save killed in it: never loaded again
-  fsync_path(parent_of(dir), true);
+  fs::remove_all(dir + kOldSuffix, ec);  // the fallback's, or a stale one from a save killed in it: never loaded again
+  try {  // the swap is done: a failure to flush the parent must not report the save as failed
+    fsync_path(parent_of(dir), true);
+  } catch (const std::exception& e) {
+    warn_once("checkpoint.fsync_parent", std::string("save_checkpoint: ") + e.what() +
+                                             "; the checkpoint is in place, but a power loss now may undo the rename");
+  }
 }
 
 // Rank 0, step 1: a fresh staging directory; `dir` must be a checkpoint or absent.
@@ -479,7 +489,7 @@ void write_full_file(const std::string& file, const std::vector<std::pair<std::s
     const at::Tensor c = cpu_contiguous(t);
     metadata[kCrcKey + name] = std::to_string(safetensors::crc32(c.data_ptr(), c.numel() * c.element_size()));
   }
-  const std::string partial = file + ".partial";
+  const std::string partial = file + kStagingSuffix;
   safetensors::write_file(partial, tensors, metadata);
   if (::rename(partial.c_str(), file.c_str()) != 0)
     throw std::runtime_error("cannot rename '" + partial + "' to '" + file + "': " + std::strerror(errno));
@@ -499,7 +509,7 @@ CheckpointIndex read_checkpoint_index(const std::string& path_in) {
     return index_from_json(path, file);
   }
   if (fs::is_regular_file(path, ec)) return index_from_file(path);
-  const std::string old = path + ".old";  // a save interrupted between its two renames
+  const std::string old = path + kOldSuffix;  // a save interrupted between its two renames
   if (fs::exists(old + "/" + kIndexName, ec)) return index_from_json(old, old + "/" + kIndexName);
   throw std::runtime_error("no checkpoint at '" + path + "' (neither a directory with " + kIndexName +
                            " nor a safetensors file)");
@@ -508,7 +518,7 @@ CheckpointIndex read_checkpoint_index(const std::string& path_in) {
 void save_checkpoint(const std::string& dir_in, const ShardedState& state_in, Communicator& comm,
                      const PrepareSave& prepare) {
   const std::string dir = without_trailing_slash(dir_in);
-  const std::string staging = dir + ".partial";
+  const std::string staging = dir + kStagingSuffix;
   const std::string what = "save_checkpoint('" + dir + "')";
   ShardedState state = state_in;  // tensor handles: prepare may add to it
   try {

@@ -98,6 +98,7 @@ Header parse_header(const std::string& path, int fd) {
   std::string text(n, '\0');
   read_all(fd, 8, text.data(), n, path);
   h.data_start = 8 + n;
+  if (text.empty() || text.front() != '{') fail(path, "its header does not start with '{' (not a safetensors file)");
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);

@@ -458,7 +458,7 @@ TEST(Checkpoint, AnUnfinishedSaveLeavesThePreviousCheckpointAndUserFilesAreNever
   first = contents(ckpt);
   EXPECT_TRUE(fs::exists(dir / "mine/notes.txt"));
   // What a save killed before its swap leaves: a staging directory with a rank's file and no index.
-  fs::create_directories(ckpt + ".partial");
+  fs::create_directories(ckpt + ".shardlab-partial");
   std::ofstream(ckpt + ".partial/rank-00000-of-00002.safetensors") << "half a file";
   EXPECT_EQ(difference(first, contents(ckpt)), "") << "the previous checkpoint must load as it was";
   run_ranks(
@@ -472,7 +472,7 @@ TEST(Checkpoint, AnUnfinishedSaveLeavesThePreviousCheckpointAndUserFilesAreNever
         ddp.save_checkpoint(ckpt, opt.get());
       },
       test_group());
-  EXPECT_FALSE(fs::exists(ckpt + ".partial")) << "the staging directory is gone after a save";
+  EXPECT_FALSE(fs::exists(ckpt + ".shardlab-partial")) << "the staging directory is gone after a save";
   EXPECT_NE(difference(first, contents(ckpt)), "") << "the second save replaced the first";
 }
 

@@ -72,6 +72,8 @@ expect([shardlab, "train", "--save-every", "2"], 2, "--save-every K saves every 
 expect([shardlab, "train", "--save", "x", "--save-every", "0"], 2, "--save-every expects an integer in [1, ")
 expect([shardlab, "train", "--strategy", "overlap_optimizer", "--save", "x"], 2,
        "strategy overlap_optimizer keeps one optimizer per parameter inside its reducer")
+expect([shardlab, "train", "--save", "/etc"], 2,
+       "--save expects a new or empty directory, or a checkpoint to replace; got '/etc'")
 expect([shardlab, "compare", "--save", "x"], 2, "--save, --save-every and --resume are options of shardlab train")
 expect([shardlab, "train", "--resume", "/nonexistent/ckpt"], 2, "--resume expects a checkpoint")
 expect([shardlab, "export", "only-one-argument"], 2, "export expects a checkpoint directory and a file to write")

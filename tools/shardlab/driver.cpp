@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -70,16 +71,20 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   const Strategy& strategy = find_strategy(options.strategy);
   RunOptions o = options;
   if (!strategy.distributed) o.world_size = 1;
-  char tmpl[] = "/tmp/shardlab-run-XXXXXX";
-  if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("cannot create a temporary directory under /tmp");
-  o.result_dir = tmpl;
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/shardlab-run-XXXXXX";
+  std::vector<char> tmpl(pattern.begin(), pattern.end());
+  tmpl.push_back('\0');
+  if (mkdtemp(tmpl.data()) == nullptr)
+    throw std::runtime_error("cannot create a temporary directory " + pattern + " (TMPDIR, or /tmp)");
+  o.result_dir = tmpl.data();
   struct Cleanup {
     std::string dir;
     ~Cleanup() {
       std::error_code ec;
       fs::remove_all(dir, ec);
     }
-  } cleanup{tmpl};
+  } cleanup{o.result_dir};
 
   if (!o.trace_dir.empty()) {
     std::error_code ec;
@@ -106,10 +111,22 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       std::cout << "shardlab: note: --resume '" << o.resume_dir << "' holds weights only: the optimizer starts fresh "
                 << "at step " << first_step << ", and the single-device reference below starts from the model's own "
                 << "initialization, not from these weights\n";
+    const auto kind = index.metadata.find("optim.kind");
+    if (kind != index.metadata.end() && kind->second != o.train.optimizer)
+      throw std::invalid_argument("--resume '" + o.resume_dir + "' holds the state of optimizer '" + kind->second +
+                                  "'; this run has --optimizer " + o.train.optimizer);
+    const auto caps = index.metadata.find("bucketed_ddp.caps");
+    if (caps != index.metadata.end() && (o.strategy == "bucketed_ddp" || o.strategy.rfind("hook_", 0) == 0))
+      std::cout << "shardlab: note: the buckets are laid out as the checkpoint's were (caps " << caps->second
+                << " bytes, its order), so that the run continues as the saved one did; --bucket-cap-kb and "
+                << "--first-bucket-kb apply to a fresh run\n";
+    std::ostringstream lr;
+    lr.precision(17);
+    lr << o.train.lr;
     const std::map<std::string, std::string> here = {{"model", o.train.model},
                                                      {"seed", std::to_string(o.train.seed)},
                                                      {"global_batch", std::to_string(o.train.global_batch)},
-                                                     {"optimizer", o.train.optimizer}};
+                                                     {"lr", lr.str()}};
     for (const auto& [key, value] : here) {
       const auto saved = index.metadata.find(key);
       if (saved != index.metadata.end() && saved->second != value)

@@ -59,7 +59,9 @@ int main(int argc, char** argv) {
             "model.safetensors");
       const shardlab::CheckpointIndex index = shardlab::read_checkpoint_index(args[0]);
       shardlab::export_checkpoint(args[0], args[1]);
-      std::cout << "shardlab export: " << index.tensors.size() << " tensors of '" << args[0] << "' (saved by "
+      size_t model_tensors = 0;
+      for (const auto& [name, saved] : index.tensors) model_tensors += name.rfind("optim.", 0) != 0;
+      std::cout << "shardlab export: " << model_tensors << " tensors of '" << args[0] << "' (saved by "
                 << index.world_size << " ranks; every piece checked against its CRC-32) written to '" << args[1]
                 << "'\n";
       return 0;

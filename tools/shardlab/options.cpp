@@ -238,7 +238,20 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
     throw std::invalid_argument(
         "--save and --resume save and load the optimizer's state; strategy overlap_optimizer keeps one optimizer "
         "per parameter inside its reducer, which a checkpoint cannot name (use bucketed_ddp)");
-  if (!o.resume_dir.empty() && !fs::exists(o.resume_dir) && !fs::exists(o.resume_dir + ".old"))
+  if (!o.save_dir.empty()) {  // checked now, not after the whole training
+    std::error_code ec;
+    const fs::path dir(o.save_dir);
+    const fs::path parent = fs::absolute(dir).parent_path();
+    if (fs::exists(dir, ec) &&
+        (!fs::is_directory(dir, ec) || (!fs::exists(dir / "index.json", ec) && !fs::is_empty(dir, ec))))
+      throw std::invalid_argument(
+          "--save expects a new or empty directory, or a checkpoint to replace; got '" + o.save_dir + "', which is " +
+          (fs::is_directory(dir, ec) ? "a directory with other files (no index.json)" : "not a directory"));
+    if (fs::is_directory(parent, ec) && access(parent.c_str(), W_OK) != 0)
+      throw std::invalid_argument("--save expects a directory it can write beside; got '" + o.save_dir + "' ('" +
+                                  parent.string() + "' is not writable)");
+  }
+  if (!o.resume_dir.empty() && !fs::exists(o.resume_dir) && !fs::exists(o.resume_dir + ".shardlab-old"))
     throw std::invalid_argument(
         "--resume expects a checkpoint (a directory from --save, or a .safetensors file); "
         "got '" +

@@ -170,8 +170,9 @@ double BucketedDDP::clip_grad_norm(double max_norm, double p) {
 // where the element sits in its bucket, so the same gradients laid out otherwise round otherwise. A run resumed
 // from a checkpoint continues bit for bit only with the layout the uninterrupted run had: the rebuilt order (by
 // parameter name) and the caps (tuned ones included) travel in the metadata, and a load lays the buckets out that
-// way at the next training forward. A checkpoint from another wrapper has none: the buckets are rebuilt from the
-// first backward, as in a fresh run.
+// way at the next training forward. A checkpoint from another wrapper has none: the wrapper keeps its own layout
+// (a fresh one rebuilds it after its first backward, as a fresh run does). The loaded caps replace the ones it was
+// built with.
 
 namespace {
 constexpr const char* kOrderKey = "bucketed_ddp.rebuilt_order";  // names, one per line
