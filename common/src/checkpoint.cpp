@@ -1,6 +1,7 @@
 #include "shardlab/common/checkpoint.h"
 
 #include "shardlab/common/errors.h"
+#include "shardlab/common/numbers.h"
 #include "shardlab/common/safetensors.h"
 #include "shardlab/common/text_gather.h"
 
@@ -19,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -286,16 +288,10 @@ nlohmann::json build_index(const std::vector<nlohmann::json>& ranks, const std::
 }
 
 // `text` as a count in [0, max], or a std::runtime_error naming `where` (a file and a key).
-uint64_t parse_count(const std::string& text, uint64_t max, const std::string& where) {
-  uint64_t v = 0;
-  bool ok = !text.empty() && text.size() <= 20;
-  for (char c : text) {
-    if (!ok) break;
-    ok = c >= '0' && c <= '9' && v <= (max - static_cast<uint64_t>(c - '0')) / 10;
-    v = v * 10 + static_cast<uint64_t>(c - '0');
-  }
-  if (!ok) throw std::runtime_error(where + " is '" + text + "', not a count up to " + std::to_string(max));
-  return v;
+uint64_t parse_count(const std::string& text, int64_t max, const std::string& where) {
+  const std::optional<int64_t> v = parse_integer(text, 0, max);
+  if (!v) throw std::runtime_error(where + " is '" + text + "', not a count up to " + std::to_string(max));
+  return static_cast<uint64_t>(*v);
 }
 
 // A loaded index's pieces of tensor `name` must tile its rows exactly once (an index edited or damaged by hand
@@ -380,7 +376,7 @@ CheckpointIndex index_from_file(const std::string& file) {
     if (crc != reader.header().metadata.end()) {
       piece.has_crc = true;
       piece.crc32 =
-          static_cast<uint32_t>(parse_count(crc->second, 0xffffffffULL, "file '" + file + "' metadata " + crc->first));
+          static_cast<uint32_t>(parse_count(crc->second, 0xffffffffLL, "file '" + file + "' metadata " + crc->first));
     }
     saved.pieces.push_back(piece);
     index.tensors.emplace(name, std::move(saved));
@@ -640,15 +636,19 @@ void save_full_checkpoint(const std::string& file, const ShardedState& state, Co
             [&] { full.emplace_back(t.name, rows[0] > 0 ? cpu_contiguous(t.local) : at::empty(t.full_sizes, cpu)); });
       continue;
     }
-    const auto options = cpu.device(device);
-    at::Tensor mine = at::zeros({most * per_row}, options);
+    // Gathered as bytes, whatever the dtype: Gloo carries neither bool nor int16 (nor, in 1.13, bfloat16), and
+    // bytes travel exactly.
+    const int64_t elem = static_cast<int64_t>(t.local.element_size());
+    const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+    at::Tensor mine = at::zeros({most * per_row * elem}, options);
     const int64_t my_rows = rows[comm.rank()];
-    if (my_rows > 0) mine.narrow(0, 0, my_rows * per_row).copy_(t.local.reshape({-1}));
-    at::Tensor gathered = at::empty({comm.size() * most * per_row}, options);
+    if (my_rows > 0)
+      mine.narrow(0, 0, my_rows * per_row * elem).copy_(t.local.contiguous().reshape({-1}).view(at::kByte));
+    at::Tensor gathered = at::empty({comm.size() * most * per_row * elem}, options);
     comm.all_gather(gathered, mine).wait();
     if (comm.rank() != 0 || assembled.kind) continue;
     assembled = attempt([&] {
-      const at::Tensor blocks = gathered.cpu();
+      const at::Tensor blocks = gathered.cpu().view(t.local.scalar_type());
       at::Tensor whole = at::empty(t.full_sizes, cpu);
       at::Tensor flat = whole.view({-1});
       for (int r = 0; r < comm.size(); ++r)

@@ -9,9 +9,13 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <algorithm>
+#include <map>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
 // Note [Fallbacks]
 // Gloo 1.13 has no ReduceOp::AVG, no bfloat16, no flat (tensor-in, tensor-out) all-gather and no reduce-scatter.
@@ -451,6 +455,75 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
   return Handle(std::move(work), std::move(finish), what.str(), timeout_);
 }
 
+// Note [Checked collectives]
+// Gloo pairs the k-th collective of every rank; when their sizes differ, the receiving side finds more bytes than
+// it posted, on Gloo's transport thread, and the process ends (gloo::EnforceNotMet, "op.preamble.length <=
+// op.nbytes"). PyTorch 1.13 ends the same way; its TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the group so that every
+// collective first all-gathers a fingerprint of the call and compares. The check here is that: the call's
+// operation, dtype, element counts, reduction or root, as int64s of a fixed count, all-gathered through the backend
+// and waited for on the calling thread. A fixed-size gather cannot itself mismatch, and a rank that never comes is
+// the group's timeout. Every rank compares every rank's fingerprint with rank 0's, so every rank throws the same
+// error, before anything of the real call is sent. What it costs: one small collective per call, which also makes
+// each call wait until every rank has reached it (a rank can no longer run ahead of the others). Hence off by
+// default, for finding a bug, as in PyTorch.
+namespace {
+
+enum CallField : int64_t { kOpField, kDtypeField, kNumelField, kOutputField, kDetailField, kCallFields };
+
+std::string describe_call(const int64_t* f) {
+  static const char* const ops[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
+  std::ostringstream s;
+  const int64_t op = f[kOpField];
+  s << (op >= 0 && op < 5 ? ops[op] : "an unknown collective");
+  if (op == 4) return s.str();
+  s << " of " << f[kNumelField] << ' ' << c10::toString(static_cast<c10::ScalarType>(f[kDtypeField])) << " elements";
+  if (op == 2 || op == 3) s << " (output " << f[kOutputField] << ")";
+  if (op == 1) s << " from root " << f[kDetailField];
+  if (op == 0 || op == 3) s << " (" << reduce_name(static_cast<ReduceOp>(f[kDetailField])) << ")";
+  return s.str();
+}
+
+}  // namespace
+
+void Communicator::check_same_call(const char* op, const at::Tensor& t, int64_t output_numel, int64_t detail) {
+  if (!check_collectives_) return;
+  static const std::map<std::string, int64_t> codes{
+      {"all_reduce", 0}, {"broadcast", 1}, {"all_gather", 2}, {"reduce_scatter", 3}, {"barrier", 4}};
+  at::Tensor mine = at::empty({kCallFields}, at::kLong);
+  int64_t* f = mine.data_ptr<int64_t>();
+  f[kOpField] = codes.at(op);
+  f[kDtypeField] = static_cast<int64_t>(t.scalar_type());
+  f[kNumelField] = t.numel();
+  f[kOutputField] = output_numel;
+  f[kDetailField] = detail;
+  // NCCL carries CUDA tensors only (the current device, as every NCCL call here).
+  const c10::Device device = kind_ == BackendKind::kNccl ? t.device() : c10::Device(c10::kCPU);
+  at::Tensor wire = mine.to(device);
+  at::Tensor all = at::empty({size_, kCallFields}, wire.options());
+  std::vector<at::Tensor> rows;
+  rows.reserve(size_);
+  for (int r = 0; r < size_; ++r) rows.push_back(all[r]);
+  std::vector<std::vector<at::Tensor>> outputs{rows};
+  std::vector<at::Tensor> inputs{wire};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  auto work = issue([&] { return backend_->allgather(outputs, inputs, opts); });
+  Handle(std::move(work), nullptr,
+         std::string("the check of ") + op + " on group '" + name_ + "' (rank " + std::to_string(rank_) + " of " +
+             std::to_string(size_) + ")",
+         timeout_)
+      .wait();
+  const at::Tensor got = all.cpu();
+  const int64_t* g = got.data_ptr<int64_t>();
+  for (int r = 1; r < size_; ++r) {
+    if (std::equal(g, g + kCallFields, g + r * kCallFields)) continue;
+    throw std::invalid_argument("collectives differ on group '" + name_ + "': rank 0 calls " + describe_call(g) +
+                                ", rank " + std::to_string(r) + " calls " + describe_call(g + r * kCallFields) +
+                                ". Every rank must issue the same collectives, of the same sizes, in the same "
+                                "order (found by set_check_collectives)");
+  }
+}
+
 Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   check_tensor(t, "tensor", "all_reduce");
   const bool bf16_fallback = !reduces_natively(t.scalar_type());
@@ -458,6 +531,7 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   if (op == ReduceOp::kAvg && !is_floating(t.scalar_type()))
     throw std::invalid_argument(std::string("all_reduce: avg needs a floating dtype; got ") +
                                 c10::toString(t.scalar_type()));
+  check_same_call("all_reduce", t, t.numel(), static_cast<int64_t>(op));
   if (bf16_fallback) warn_bf16_sent_as_f32("all_reduce");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
   c10d::AllreduceOptions opts;
@@ -484,6 +558,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast: root must be in [0, " + std::to_string(size_) + "); got " +
                                 std::to_string(root));
+  check_same_call("broadcast", t, t.numel(), root);
   const bool bf16_fallback = !reduces_natively(t.scalar_type());
   if (bf16_fallback) warn_bf16_sent_as_f32("broadcast");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
@@ -509,6 +584,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
     throw std::invalid_argument(
         "all_gather: output must have world_size * input.numel() = " + std::to_string(size_ * input.numel()) +
         " elements; got " + std::to_string(output.numel()));
+  check_same_call("all_gather", input, output.numel(), 0);
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
   if (bf16_fallback) warn_bf16_sent_as_f32("all_gather");
   at::Tensor wire_in = bf16_fallback ? input.to(c10::kFloat) : input;
@@ -552,6 +628,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));
+  check_same_call("reduce_scatter", input, output.numel(), static_cast<int64_t>(op));
   if (has_reduce_scatter()) {  // NCCL: reduces (AVG included) and scatters by itself
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
@@ -713,6 +790,7 @@ void Communicator::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
   at::Tensor none = at::empty({0});
+  check_same_call("barrier", none, 0, 0);
   const size_t idx = record("barrier", "barrier", none, none, nullptr);
   submit(issue([&] { return backend_->barrier(opts); }), idx, nullptr, "barrier", kind_ == BackendKind::kGloo).wait();
 }

@@ -1,10 +1,15 @@
 #include "shardlab/common/device.h"
 
+#include "shardlab/common/numbers.h"
+
 #include <ATen/Context.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <cstdint>
 #include <limits>
+#include <optional>
 #include <stdexcept>
+#include <string_view>
 
 namespace shardlab {
 
@@ -15,10 +20,10 @@ c10::Device parse_device(const std::string& name) {
   if (name == "cpu") return c10::Device(c10::kCPU);
   if (name == "cuda") return c10::Device(c10::kCUDA);
   const std::string prefix = "cuda:";
-  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() || name.size() > prefix.size() + 3) throw bad();
-  for (size_t i = prefix.size(); i < name.size(); ++i)
-    if (name[i] < '0' || name[i] > '9') throw bad();
-  const int index = std::stoi(name.substr(prefix.size()));
+  if (name.rfind(prefix, 0) != 0) throw bad();
+  const std::optional<int64_t> parsed = parse_integer(std::string_view(name).substr(prefix.size()), 0, 999);
+  if (!parsed) throw bad();
+  const int64_t index = *parsed;
   if (index > std::numeric_limits<c10::DeviceIndex>::max())  // c10 stores the index in a small integer
     throw std::invalid_argument("device '" + name + "': GPU index " + std::to_string(index) + " is out of range; " +
                                 "expected at most " + std::to_string(std::numeric_limits<c10::DeviceIndex>::max()));

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <unordered_set>
 
 namespace shardlab {
 namespace {
@@ -41,6 +42,27 @@ void init_parameters(torch::nn::Module& module, uint64_t seed) {
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     if (at::isFloatingType(item.value().scalar_type())) item.value().uniform_(0.5, 1.5, gen);
   }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> named_state(const torch::nn::Module& module, StateParts parts,
+                                                            bool once) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const void*> seen;
+  const auto add = [&](const std::string& name, const at::Tensor& t) {
+    if (t.defined() && (!once || seen.insert(t.unsafeGetTensorImpl()).second)) out.emplace_back(name, t);
+  };
+  if (parts != StateParts::kBuffers)
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) add(item.key(), item.value());
+  if (parts != StateParts::kParameters)
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) add(item.key(), item.value());
+  return out;
+}
+
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model) {
+  std::vector<at::Tensor> out;
+  for (auto& [name, p] : named_state(model, StateParts::kParameters, /*once=*/true))
+    if (p.requires_grad()) out.push_back(p);
+  return out;
 }
 
 }  // namespace shardlab

@@ -1,10 +1,14 @@
 #include "shardlab/common/process_group.h"
 
+#include "shardlab/common/numbers.h"
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
+#include <string>
 
 namespace shardlab {
 namespace {
@@ -17,12 +21,11 @@ int env_int(const char* name, int fallback, int min_value) {
     throw std::invalid_argument(std::string("environment variable ") + name +
                                 " is not set; expected an integer (set by torchrun or shardlab-run)");
   }
-  char* end = nullptr;
-  const long v = std::strtol(raw, &end, 10);
-  if (*end != '\0' || v < min_value || v > 1'000'000)
+  const std::optional<int64_t> v = parse_integer(raw, min_value, 1'000'000);
+  if (!v)
     throw std::invalid_argument(std::string("environment variable ") + name +
                                 " must be an integer >= " + std::to_string(min_value) + "; got '" + raw + "'");
-  return static_cast<int>(v);
+  return static_cast<int>(*v);
 }
 
 }  // namespace
@@ -64,7 +67,11 @@ std::shared_ptr<Communicator> make_communicator(const c10::intrusive_ptr<c10d::S
                                   std::to_string(backend->getRank()) + " of " + std::to_string(backend->getSize()) +
                                   "; expected rank " + std::to_string(rank) + " of " + std::to_string(size));
   }
-  return std::make_shared<Communicator>(std::move(backend), options.kind, name, options.timeout, std::move(recorder));
+  auto comm =
+      std::make_shared<Communicator>(std::move(backend), options.kind, name, options.timeout, std::move(recorder));
+  const char* check = std::getenv("SHARDLAB_CHECK_COLLECTIVES");
+  comm->set_check_collectives(options.check_collectives || (check != nullptr && std::string(check) == "1"));
+  return comm;
 }
 
 GroupOptions reachable(const RankEnv& env, GroupOptions options) {

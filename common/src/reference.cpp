@@ -10,7 +10,6 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include <set>
 #include <stdexcept>
 
 namespace shardlab {
@@ -22,14 +21,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
   if (name == "adamw")
     return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(lr).weight_decay(0.01));
   throw std::invalid_argument("unknown optimizer '" + name + "'; expected sgd or adamw");
-}
-
-std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model) {
-  std::vector<at::Tensor> out;
-  std::set<const c10::TensorImpl*> seen;  // a tensor registered twice (tied) is stepped once
-  for (const auto& p : model.parameters(/*recurse=*/true))
-    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  return out;
 }
 
 c10::Device device_of(const TrainConfig& config) {

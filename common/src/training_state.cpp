@@ -1,11 +1,15 @@
 #include "shardlab/common/training_state.h"
 
+#include "shardlab/common/numbers.h"
+
 #include <ATen/ATen.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <limits>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -131,17 +135,11 @@ struct Stepped {
 
 // A step count from the metadata. @throws std::runtime_error naming the checkpoint and the key.
 int64_t parse_step(const std::string& text, const std::string& path, const std::string& key) {
-  size_t used = 0;
-  int64_t step = -1;
-  try {
-    step = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != text.size() || step < 0)
+  const std::optional<int64_t> step = parse_integer(text, 0, std::numeric_limits<int64_t>::max());
+  if (!step)
     throw std::runtime_error("checkpoint '" + path + "' has metadata " + key + " '" + text +
                              "', not a step count: a damaged checkpoint");
-  return step;
+  return *step;
 }
 
 std::vector<Stepped> stepped_parameters(torch::optim::Optimizer& optimizer, const ShardedState& state) {
@@ -255,13 +253,8 @@ class OptimizerLoad {
 
 ShardedState replicated_state(torch::nn::Module& model, int rank) {
   ShardedState state;
-  std::set<const void*> seen;
-  auto add = [&](const std::string& name, const at::Tensor& t) {
-    if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+  for (auto& [name, t] : named_state(model, StateParts::kParametersAndBuffers, /*once=*/true))
     state.tensors.push_back({name, t, t.sizes().vec(), 0, rank == 0});
-  };
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) add(item.key(), item.value());
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) add(item.key(), item.value());
   return state;
 }
 

@@ -507,6 +507,67 @@ TEST(Collectives, AMissingRankTimesOutWithTheOpAndRankInTheMessage) {
   }
 }
 
+// A caller's mistake that only the other ranks can see: rank 1 passes twice the elements rank 0 does. Unchecked,
+// Gloo ends the process on its transport thread (as PyTorch's does); with the check on (Note [Checked
+// collectives]) it is an exception on every rank's own thread, at the call, naming both calls, for every kind of
+// collective and algorithm, and the group goes on working.
+TEST(Collectives, WithTheCheckOnASizeMismatchIsAnExceptionOnEveryRankAndTheGroupGoesOn) {
+  struct Case {
+    std::string op;
+    AllGatherAlgorithm ag = AllGatherAlgorithm::kAuto;
+    ReduceScatterAlgorithm rs = ReduceScatterAlgorithm::kAuto;
+  };
+  for (const Case& k : std::vector<Case>{
+           {"all_reduce"},
+           {"broadcast"},
+           {"all_gather ring", AllGatherAlgorithm::kRing},
+           {"all_gather backend", AllGatherAlgorithm::kBackend},
+           {"reduce_scatter ring", AllGatherAlgorithm::kAuto, ReduceScatterAlgorithm::kRing},
+           {"reduce_scatter all_reduce", AllGatherAlgorithm::kAuto, ReduceScatterAlgorithm::kAllReduce}}) {
+    GroupOptions o = test_group();
+    o.check_collectives = true;
+    std::vector<std::string> messages(2);
+    std::vector<size_t> recorded(2);
+    std::vector<float> after(2);
+    run_ranks(
+        2,
+        [&](Communicator& c) {
+          ASSERT_TRUE(c.checks_collectives());
+          c.set_all_gather_algorithm(k.ag);
+          c.set_reduce_scatter_algorithm(k.rs);
+          const int64_t n = c.rank() == 0 ? 4 : 8;
+          at::Tensor t = at::ones({n}), whole = at::ones({2 * n});
+          try {
+            if (k.op == "all_reduce") c.all_reduce(t).wait();
+            if (k.op == "broadcast") c.broadcast(t, 0).wait();
+            if (k.op.rfind("all_gather", 0) == 0) c.all_gather(whole, t).wait();
+            if (k.op.rfind("reduce_scatter", 0) == 0) c.reduce_scatter(t, whole).wait();
+            messages[c.rank()] = "(no error)";
+          } catch (const std::invalid_argument& e) {
+            messages[c.rank()] = e.what();
+          }
+          recorded[c.rank()] = c.recorder().size();
+          // The group still works: the next (matching) collective is paired with its like.
+          at::Tensor x = at::full({3}, static_cast<float>(c.rank() + 1));
+          c.all_reduce(x).wait();
+          after[c.rank()] = x[0].item<float>();
+        },
+        o);
+    const std::string op = k.op.substr(0, k.op.find(' '));
+    const int in0 = op == "reduce_scatter" ? 8 : 4;  // the input's elements: a reduce-scatter's is the whole
+    for (int r = 0; r < 2; ++r) {
+      std::cout << k.op << ", rank " << r << ": " << messages[r] << "\n";
+      const std::string want0 = "rank 0 calls " + op + " of " + std::to_string(in0) + " Float elements";
+      const std::string want1 = "rank 1 calls " + op + " of " + std::to_string(2 * in0) + " Float elements";
+      EXPECT_NE(messages[r].find(want0), std::string::npos) << messages[r];
+      EXPECT_NE(messages[r].find(want1), std::string::npos) << messages[r];
+      EXPECT_EQ(messages[r], messages[0]) << "every rank throws the same error";
+      EXPECT_EQ(recorded[r], 0u) << k.op << ": nothing of the refused call may be sent";
+      EXPECT_EQ(after[r], 3.0f) << k.op << ": the next all-reduce must pair with its like";
+    }
+  }
+}
+
 TEST(Collectives, RunRanksNamesTheFailingRank) {
   try {
     run_ranks(

@@ -3,6 +3,7 @@
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/compat.h"
 #include "shardlab/common/errors.h"
+#include "shardlab/common/numbers.h"
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/group.h"
@@ -26,6 +27,18 @@ static_assert(!std::is_base_of_v<std::logic_error, NotImplemented> &&
 int checked_half(int even) {
   SHARDLAB_INTERNAL_ASSERT(even % 2 == 0, "got " + std::to_string(even));
   return even / 2;
+}
+
+// The one reader of integers written by others (a checkpoint's metadata, RANK, --resume's step): whole decimal
+// text in range, nothing else.
+TEST(Errors, ParseIntegerTakesWholeDecimalTextInRangeAndNothingElse) {
+  EXPECT_EQ(parse_integer("0", 0, 10), 0);
+  EXPECT_EQ(parse_integer("10", 0, 10), 10);
+  EXPECT_EQ(parse_integer("-3", -5, 5), -3);
+  EXPECT_EQ(parse_integer("4294967295", 0, 0xffffffffLL), 0xffffffffLL);
+  EXPECT_EQ(parse_integer("9223372036854775807", 0, INT64_MAX), INT64_MAX);
+  for (const char* bad : {"", " 1", "1 ", "+1", "-0", "-1", "11", "1e3", "0x1", "12abc", "1.0", "99999999999999999999"})
+    EXPECT_EQ(parse_integer(bad, 0, 10), std::nullopt) << "'" << bad << "' was taken";
 }
 
 TEST(Errors, InternalAssertionNamesTheConditionTheFileAndTheDetail) {

@@ -12,6 +12,7 @@
 
 #include "support/clipping.h"
 #include "support/device.h"
+#include "support/failing_backend.h"
 #include "support/refusal.h"
 #include "support/train_replica.h"
 
@@ -26,9 +27,11 @@
 #include <atomic>
 #include <climits>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <set>
 #include <sstream>
+#include <string>
 
 namespace shardlab::fsdp {
 namespace {
@@ -743,6 +746,161 @@ TEST(FullyShardedModel, AnUnusedParameterIsAnErrorNamingItAndNoRankHangs) {
       },
       test_group());
   for (const auto& e : errors) EXPECT_NE(e.find("'sometimes'"), std::string::npos) << "got: " << e;
+}
+
+// Note [A parameter unused on some ranks]: a batch that never reaches a parameter the other ranks use. The unit's
+// reduce-scatter comes at the end of that rank's backward, after the next unit's all-gather, where the other ranks
+// launched it before: the ops interleave differently, and on Gloo with CPU tensors the result is still one device's
+// on the union batch. 2 ranks (the ring reduce-scatter) and 4 (the all-reduce fallback of small ones).
+TEST(FullyShardedModel, AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGlooTensorsOnCpu) {
+  // `extra` applies only to the examples whose first feature is positive: a rank without one never reaches it.
+  struct Gated : torch::nn::Module {
+    Gated() {
+      main = register_module("main", torch::nn::Linear(4, 4));
+      extra = register_module("extra", torch::nn::Linear(4, 4));
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      const at::Tensor rows = at::nonzero(x.select(1, 0) > 0).squeeze(1);
+      at::Tensor y = main->forward(x);
+      if (rows.numel() > 0) y = y.index_add(0, rows, extra->forward(x.index_select(0, rows)));
+      return y;
+    }
+    torch::nn::Linear main{nullptr}, extra{nullptr};
+  };
+  struct Net : Model {
+    Net() {
+      first = register_unit("first", torch::nn::Linear(4, 4).ptr());
+      gated = register_unit("gated", std::make_shared<Gated>());  // last in forward: first in backward
+      init_parameters(*this, 3);
+    }
+    at::Tensor loss(const Batch& b) override { return gated(first(b.input)).pow(2).sum(1).mean(); }
+    UnitRef<torch::nn::LinearImpl> first;
+    UnitRef<Gated> gated;
+  };
+  // Rows 0 and 1 reach `extra` (their first feature after `first` is positive); the rest do not: found below.
+  Batch global;
+  global.input = at::linspace(-2.0, 2.0, 32).reshape({8, 4});
+  global.target = at::zeros({8}, at::kLong);
+  {
+    Net probe;
+    torch::NoGradGuard no_grad;
+    const at::Tensor h = probe.first->forward(global.input);
+    at::Tensor sign = at::ones({8});
+    for (int64_t i = 0; i < 8; ++i) sign[i] = i < 2 ? 1.0 : -1.0;
+    // Shift each row so that its first feature after `first` has the sign wanted.
+    const at::Tensor w0 = probe.first->weight[0];
+    const at::Tensor shift = (sign * (h.select(1, 0).abs() + 0.5) - h.select(1, 0)) / w0.pow(2).sum();
+    global.input = global.input + shift.unsqueeze(1) * w0.unsqueeze(0);
+    const at::Tensor check = probe.first->forward(global.input).select(1, 0);
+    ASSERT_TRUE(at::equal(check > 0, sign > 0)) << "the batch was not built as intended: " << check;
+  }
+  Net reference;
+  reference.loss(global).backward();
+  std::vector<at::Tensor> ref_grads;
+  for (const auto& p : reference.parameters()) ref_grads.push_back(p.grad().clone());
+
+  for (int world : {2, 4}) {
+    std::vector<std::vector<at::Tensor>> grads(world);
+    std::vector<std::vector<std::string>> ops(world);
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          auto model = std::make_shared<Net>();
+          Options options;
+          options.allow_unused_parameters = true;
+          FullyShardedModel fsdp(model, comm, options);
+          const size_t start = comm.recorder().size();
+          fsdp.loss(rank_slice(global, comm.rank(), world)).backward();
+          for (const auto& r : comm.recorder().since(start)) ops[comm.rank()].push_back(r.op + " " + r.wire_op);
+          for (const auto& p : fsdp.parameters()) grads[comm.rank()].push_back(p.grad().clone());
+        },
+        test_group());
+    // The ops interleave differently: rank 0 reduces `gated` before gathering `first` for its backward, a rank
+    // without `extra`'s gradient after it. Every rank issues the same reduce-scatters, in the same order.
+    auto reduce_scatters = [](const std::vector<std::string>& v) {
+      std::vector<std::string> out;
+      for (const auto& s : v)
+        if (s.rfind("reduce_scatter", 0) == 0) out.push_back(s);
+      return out;
+    };
+    std::ostringstream seen;
+    for (int r = 0; r < world; ++r) {
+      seen << "rank " << r << ":";
+      for (const auto& s : ops[r]) seen << " [" << s << "]";
+      seen << "\n";
+    }
+    std::cout << "world " << world << "\n" << seen.str();
+    EXPECT_NE(ops[0], ops[1]) << "the test must make the ranks interleave differently\n" << seen.str();
+    for (int r = 1; r < world; ++r) EXPECT_EQ(reduce_scatters(ops[r]), reduce_scatters(ops[0])) << seen.str();
+    if (world == 4)
+      EXPECT_NE(ops[0].back().find("all_reduce"), std::string::npos)
+          << "at 4 ranks the small reduce-scatters take the all-reduce fallback\n"
+          << seen.str();
+    // Each rank's rows of every gradient (4 rows split evenly: no padding) against the reference's same rows.
+    for (int r = 0; r < world; ++r) {
+      ASSERT_EQ(grads[r].size(), ref_grads.size());
+      for (size_t i = 0; i < ref_grads.size(); ++i) {
+        const at::Tensor& got = grads[r][i];
+        const at::Tensor want = ref_grads[i].narrow(0, r * got.size(0), got.size(0));
+        const double diff = (got - want).abs().max().item<double>();
+        EXPECT_TRUE(at::allclose(got, want, kRtol, kAtol))
+            << "world " << world << " rank " << r << " parameter " << i << ": max |grad - reference| " << diff;
+      }
+    }
+  }
+}
+
+// Note [A wrapper whose all-gather failed]: the second all-gather of the first forward fails on both ranks
+// (test_support::FailingBackend). loss() throws that error; from then on every call that would gather, compute or
+// save refuses with std::logic_error naming the unit and the first error, and sends nothing.
+TEST(FullyShardedModel, AfterAFailedAllGatherTheWrapperRefusesFurtherUseAndSendsNothing) {
+  GroupOptions options = test_group();
+  options.wrap_backend = [](c10::intrusive_ptr<compat::Backend> inner, int) {
+    return c10::make_intrusive<test_support::FailingBackend>(std::move(inner), std::set<int>{}, std::set<int>{2});
+  };
+  std::vector<std::string> first(2), refusals(2);
+  std::vector<int> refused(2, 0);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 7);
+        FullyShardedModel fsdp(model, comm);
+        comm.set_all_gather_algorithm(AllGatherAlgorithm::kBackend);  // the backend's, where the failure is
+        auto data = make_dataset("mlp", 7);
+        const Batch batch = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
+        try {
+          fsdp.loss(batch).backward();
+          ADD_FAILURE() << "the failed all-gather was not reported";
+        } catch (const std::runtime_error& e) {
+          first[comm.rank()] = e.what();
+        }
+        const size_t sent = comm.recorder().size();
+        const std::string dir = ::testing::TempDir() + "fsdp_refused_" + std::to_string(comm.rank());
+        const std::vector<std::function<void()>> calls{[&] { fsdp.loss(batch); },
+                                                       [&] { fsdp.full_parameters(); },
+                                                       [&] { fsdp.full_state_dict(); },
+                                                       [&] { fsdp.clip_grad_norm(1.0); },
+                                                       [&] { fsdp.save_checkpoint(dir, nullptr); },
+                                                       [&] { fsdp.begin_unshard(0); }};
+        for (const auto& call : calls) {
+          try {
+            call();
+          } catch (const std::logic_error& e) {
+            ++refused[comm.rank()];
+            refusals[comm.rank()] = e.what();
+          }
+        }
+        EXPECT_EQ(comm.recorder().size(), sent) << "a refused call sent something";
+      },
+      options);
+  for (int r = 0; r < 2; ++r) {
+    std::cout << "rank " << r << ": first '" << first[r] << "'\n  then '" << refusals[r] << "'\n";
+    EXPECT_NE(first[r].find(test_support::FailingBackend::kAllGatherMessage), std::string::npos) << first[r];
+    EXPECT_EQ(refused[r], 6) << "rank " << r << ": every call must be refused with std::logic_error";
+    EXPECT_NE(refusals[r].find("unit '"), std::string::npos) << refusals[r];
+    EXPECT_NE(refusals[r].find(test_support::FailingBackend::kAllGatherMessage), std::string::npos) << refusals[r];
+    EXPECT_NE(refusals[r].find("new group and wrapper"), std::string::npos) << refusals[r];
+  }
 }
 
 // A backward that throws halfway (here: a hook on block 0's output, after the later blocks' gradients came) must

@@ -29,14 +29,32 @@ class FailedWork : public compat::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-/// Forwards to `inner`, but all-reduce number k (1-based, counted on this backend) fails for every k in `fail`.
+/// Forwards to `inner`, but all-reduce number k (1-based, counted on this backend) fails for every k in `fail`,
+/// and the backend's all-gather number k for every k in `fail_all_gathers` (the Communicator's ring all-gather is
+/// send/recv and never comes here: choose AllGatherAlgorithm::kBackend to reach it).
 class FailingBackend : public DelayedBackend {
  public:
-  /// The message of every injected failure.
+  /// The message of every injected all-reduce failure.
   static constexpr const char* kMessage = "injected failure of an all-reduce (test_support::FailingBackend)";
+  /// The message of every injected all-gather failure.
+  static constexpr const char* kAllGatherMessage = "injected failure of an all-gather (test_support::FailingBackend)";
 
-  FailingBackend(c10::intrusive_ptr<compat::Backend> inner, std::set<int> fail)
-      : DelayedBackend(std::move(inner), DelayPlan{}, nullptr), fail_(std::move(fail)) {}
+  FailingBackend(c10::intrusive_ptr<compat::Backend> inner, std::set<int> fail, std::set<int> fail_all_gathers = {})
+      : DelayedBackend(std::move(inner), DelayPlan{}, nullptr),
+        fail_(std::move(fail)),
+        fail_all_gathers_(std::move(fail_all_gathers)) {}
+
+  c10::intrusive_ptr<compat::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                             std::vector<at::Tensor>& inputs,
+                                             const c10d::AllgatherOptions& opts) override {
+    if (fail_all_gathers_.count(++all_gathers_) > 0) return c10::make_intrusive<FailedWork>(kAllGatherMessage);
+    return DelayedBackend::allgather(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<compat::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                   const c10d::AllgatherOptions& opts) override {
+    if (fail_all_gathers_.count(++all_gathers_) > 0) return c10::make_intrusive<FailedWork>(kAllGatherMessage);
+    return DelayedBackend::_allgather_base(output, input, opts);
+  }
 
   c10::intrusive_ptr<compat::Work> allreduce(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) override {
@@ -50,7 +68,9 @@ class FailingBackend : public DelayedBackend {
 
  private:
   std::set<int> fail_;
+  std::set<int> fail_all_gathers_;
   std::atomic<int> count_{0};
+  std::atomic<int> all_gathers_{0};
 };
 
 }  // namespace shardlab::test_support

@@ -91,6 +91,21 @@ with tempfile.TemporaryDirectory() as tmp:
                            "--resume", ckpt], capture_output=True, text=True, timeout=120)
     check(late.returncode == 2 and "holds step 2; --steps is the step to train up to and must be greater" in late.stderr,
           f"--resume at step 2 with --steps 2 is refused before any rank starts: {late.stderr.strip()!r}")
+    # Auto caps: chosen after step 2 from measured times, then kept by the checkpoint. A run resumed after that
+    # trains with the saved caps and does not choose again (its buckets, and so its sums, stay the saved run's).
+    auto = ["--strategy", "bucketed_ddp", "--world-size", "3", "--model", "mlp", "--global-batch", "12",
+            "--first-bucket-kb", "4", "--bucket-cap-kb", "8", "--bucket-cap-kb", "auto"]
+    tuned = train(tmp, "tuned", *auto, "--steps", "3", "--save", os.path.join(tmp, "auto1"))
+    saved_caps = json.load(open(os.path.join(tmp, "auto1", "index.json")))["metadata"].get("bucketed_ddp.caps")
+    chosen = tuned.get("auto_caps") or []
+    check(len(chosen) == 6 and saved_caps == f"{int(chosen[0])} {int(chosen[1])}",
+          f"the checkpoint keeps the caps chosen after step 2: saved {saved_caps!r}, chosen {chosen[:2]}")
+    again = train(tmp, "again", *auto, "--steps", "4", "--resume", os.path.join(tmp, "auto1"),
+                  "--save", os.path.join(tmp, "auto2"))
+    kept = json.load(open(os.path.join(tmp, "auto2", "index.json")))["metadata"].get("bucketed_ddp.caps")
+    check(not again.get("auto_caps") and kept == saved_caps,
+          f"resumed at step 3, the caps are the saved ones and not chosen again: {kept!r}, report "
+          f"{again.get('auto_caps')}")
     model_file = os.path.join(tmp, "model.safetensors")
     run("export", ckpt, model_file)
     weights, meta = read_safetensors(model_file)

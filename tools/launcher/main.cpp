@@ -8,15 +8,16 @@
 /// 127 if the program cannot be executed); 2 for bad command-line flags.
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "shardlab/common/launcher.h"
+#include "shardlab/common/numbers.h"
 
 namespace {
 
@@ -36,13 +37,9 @@ struct Args {
 };
 
 long parse_int(const std::string& flag, const char* text, long lo, long hi, const std::string& expected) {
-  char* end = nullptr;
-  errno = 0;
-  const long value = std::strtol(text, &end, 10);
-  if (errno != 0 || end == text || *end != '\0' || value < lo || value > hi) {
-    throw UsageError{"expected " + expected + " after " + flag + ", got '" + text + "'"};
-  }
-  return value;
+  const std::optional<int64_t> value = shardlab::parse_integer(text, lo, hi);
+  if (!value) throw UsageError{"expected " + expected + " after " + flag + ", got '" + text + "'"};
+  return static_cast<long>(*value);
 }
 
 double parse_seconds(const std::string& flag, const char* text) {

@@ -5,6 +5,7 @@
 #include "shardlab/common/buffer_pool.h"
 #include "shardlab/common/data.h"
 #include "shardlab/common/device.h"
+#include "shardlab/common/numbers.h"
 #include "shardlab/common/process_group.h"
 #include "shardlab/common/progress.h"
 #include "shardlab/common/world.h"
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -90,11 +92,7 @@ int resume_step(const std::map<std::string, std::string>& metadata, const std::s
   if (!metadata.count("optim.kind")) return 0;
   const auto it = metadata.find("step");
   if (it == metadata.end()) return 0;
-  try {
-    size_t used = 0;
-    const int step = std::stoi(it->second, &used);
-    if (used == it->second.size() && step >= 0) return step;
-  } catch (const std::exception&) {}
+  if (const auto step = parse_integer(it->second, 0, std::numeric_limits<int>::max())) return static_cast<int>(*step);
   throw std::invalid_argument("--resume '" + path + "' has metadata step '" + it->second +
                               "'; expected the count of steps done (a checkpoint of shardlab train)");
 }

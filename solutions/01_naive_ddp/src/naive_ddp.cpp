@@ -12,8 +12,7 @@ namespace shardlab::naive_ddp {
 NaiveDDP::NaiveDDP(std::shared_ptr<Model> module, Communicator& comm) : module_(std::move(module)), comm_(comm) {
   if (!module_) throw std::invalid_argument("NaiveDDP: expected a model; got a null pointer");
   check_same_model(*module_, comm_, "NaiveDDP");  // first: every rank gets the same verdict
-  for (const auto& p : module_->parameters(/*recurse=*/true))
-    if (p.requires_grad()) params_.push_back(p);
+  params_ = trainable_parameters(*module_);       // a tied weight once: two all-reduces of one gradient would race
   broadcast_state(*module_, comm_, StructureCheck::kAlreadyCompared);
   readiness_ = std::make_unique<GradientReadiness>(
       params_, [this](size_t i) { on_gradient_ready(i); }, [this] { finish_sync(); });

@@ -40,10 +40,7 @@ naive_ddp::NoSync DataParallel::no_sync() { return ddp_ ? ddp_->no_sync() : shar
 
 std::vector<at::Tensor> DataParallel::parameters() {
   if (sharded_) return sharded_->parameters();
-  std::vector<at::Tensor> trainable;
-  for (const auto& p : model_->parameters())
-    if (p.requires_grad()) trainable.push_back(p);
-  return trainable;
+  return trainable_parameters(*model_);  // a tied weight once, as the replica's DDP reduces it
 }
 
 double DataParallel::clip_grad_norm(double max_norm, double p) {
@@ -69,9 +66,8 @@ std::map<std::string, std::string> DataParallel::load_checkpoint(const std::stri
 std::vector<std::pair<std::string, at::Tensor>> DataParallel::full_state_dict() {
   if (sharded_) return sharded_->full_state_dict();
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : model_->named_parameters(/*recurse=*/true))
-    out.emplace_back(item.key(), item.value().detach().clone());
-  for (const auto& item : model_->named_buffers(/*recurse=*/true)) out.emplace_back(item.key(), item.value().clone());
+  for (auto& [name, t] : named_state(*model_, StateParts::kParametersAndBuffers, /*once=*/false))
+    out.emplace_back(name, t.detach().clone());
   return out;
 }
 

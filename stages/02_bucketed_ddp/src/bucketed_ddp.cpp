@@ -45,10 +45,11 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
   // First: the checks below depend on the model, and a rank must not fail one alone while the others wait.
   check_same_model(*module_, comm_, "BucketedDDP");
   check_caps("BucketedDDP", options_.caps);
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;  // frozen: never communicated
-    params_.push_back(item.value());
-    names_.push_back(item.key());
+  // Frozen parameters are never communicated; a tied weight has one slot, under its first name.
+  for (auto& [name, p] : named_state(*module_, StateParts::kParameters, /*once=*/true)) {
+    if (!p.requires_grad()) continue;
+    params_.push_back(p);
+    names_.push_back(name);
   }
   if (params_.empty())
     throw std::invalid_argument("BucketedDDP: expected a model with at least one trainable parameter; got none");

@@ -23,6 +23,28 @@
 // reverse of this forward's unit order (then any unit that did not run forward): a complete unit waits until
 // every unit before it in that order has been launched (the same rule as stage 02's buckets).
 //
+// Note [A parameter unused on some ranks]
+// The contract asks every rank to leave the same trainable parameters without gradient in a step. What happens when
+// one rank does not (its batch never reaches a parameter the others use), by what can and cannot be checked:
+//  - Which reduce-scatters pair is never in question: every rank launches them in reduce_order_, which depends on
+//    the forward's unit order only, and a unit still missing a gradient holds back every unit after it. The rank
+//    without the gradient launches that unit's reduce-scatter at the end of backward, with zeros for it; the others
+//    launched it when its last gradient came. The sum is then the gradient of the union of the batches (the rank's
+//    batch does not depend on the parameter), as PyTorch DDP's find_unused_parameters gives.
+//  - What changes is how the reduce-scatters interleave with backward's all-gathers. Gloo with CPU tensors runs
+//    both as rings of tagged send/recv, each kind numbered in its own order (Note [Ring reduce-scatter] in common),
+//    and the all-reduce fallback of small reduce-scatters is the only user of the group's collective order in a
+//    backward: the interleaving cannot pair unlike collectives, and the result is exact. Tested:
+//    FullyShardedModel.AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGloo.
+//  - NCCL, and Gloo with CUDA tensors, order every collective of the group in one sequence: there the late
+//    reduce-scatter can meet another rank's all-gather. Noticing it would take a collective every step, for every
+//    user, to catch one user's mistake. What keeps it from passing silently: with allow_unused_parameters false
+//    (the default) the rank that lacked a gradient throws at the end of that backward, naming the parameter, and
+//    the job stops (the launcher stops every rank when one fails); a pairing that does not complete is a
+//    collective timeout on the caller's thread, naming the operation. Allowing unused parameters on those backends
+//    is the user's promise that the set is the same on every rank (the `edge` model's is: its step, not its data,
+//    decides).
+
 // Note [One reduce-scatter in flight]
 // A reduce-scatter holds its input (S rows of the unit's padded gradients) and output until it completes. Left to
 // the end of backward, every unit's buffers would be alive at once: the whole model's unsharded gradients again,
@@ -198,7 +220,27 @@ std::vector<at::Tensor> FullyShardedModel::parameters() const {
   return out;
 }
 
+// Note [A wrapper whose all-gather failed]
+// A unit whose all-gather failed (a rank died, a timeout) never got its parameters: it stays unsharding, and every
+// later wait on it rethrows the first error. Going on would mean computing with a buffer the collective never
+// filled, or issuing collectives on a group whose ranks may no longer agree on what comes next. So from then on
+// every call that would gather, compute or save (loss, full_parameters, full_state_dict, clip_grad_norm, the
+// checkpoints, a schedule's begin_unshard) refuses, naming the unit and the first error: nothing more is sent on
+// this wrapper, and nothing hangs. The way on is a new group and wrapper, and the last checkpoint (the tool: the
+// launcher stops every rank, and --resume). A failed reduce-scatter is different: backward throws it after
+// waiting for every other one, the parameters are untouched, and the next step may go on if the group still works
+// (stage 01's invariant 4); only the gradients of that step are wrong, and backward has said so.
+void FullyShardedModel::check_usable(const char* call) const {
+  for (const auto& unit : units_)
+    if (!unit->failure().empty())
+      throw std::logic_error(std::string("FullyShardedModel::") + call + ": refused, since the all-gather of unit '" +
+                             unit->name() + "' failed (" + unit->failure() +
+                             "). Its parameters never arrived and the ranks may be out of step; nothing more is "
+                             "sent on this wrapper. Make a new group and wrapper, and load the last checkpoint");
+}
+
 std::vector<at::Tensor> FullyShardedModel::full_parameters() {
+  check_usable("full_parameters");
   std::vector<std::vector<at::Tensor>> full;
   for (auto& unit : units_) full.push_back(unit->gather_full_parameters());
   std::vector<at::Tensor> out;
@@ -207,6 +249,7 @@ std::vector<at::Tensor> FullyShardedModel::full_parameters() {
 }
 
 double FullyShardedModel::clip_grad_norm(double max_norm, double p) {
+  check_usable("clip_grad_norm");
   if (!sync_enabled_)
     throw std::logic_error(
         "FullyShardedModel::clip_grad_norm: called inside no_sync, where the gradients are unsharded and "
@@ -221,6 +264,7 @@ double FullyShardedModel::clip_grad_norm(double max_norm, double p) {
 }
 
 at::Tensor FullyShardedModel::loss(const Batch& batch) {
+  check_usable("loss");
   settle_aborted_backward();
   // A forward that threw, or one whose backward never came, may have left units gathered or all-gathers in flight
   // (a schedule's prefetches): every rank settles them alike before any new collective.
@@ -281,6 +325,7 @@ void FullyShardedModel::begin_unshard(size_t u) {
   if (u >= units_.size())
     throw std::invalid_argument("FullyShardedModel::begin_unshard: expected a unit index below " +
                                 std::to_string(units_.size()) + "; got " + std::to_string(u));
+  check_usable("begin_unshard");
   units_[u]->begin_unshard();
 }
 

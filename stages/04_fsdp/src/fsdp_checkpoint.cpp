@@ -14,11 +14,12 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedModel::full_state_di
   size_t i = 0;
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) out.emplace_back(item.key(), full.at(i++));
   SHARDLAB_INTERNAL_ASSERT(i == full.size(), "full_parameters and named_parameters list the registrations alike");
-  for (const auto& item : model_->named_buffers(/*recurse=*/true)) out.emplace_back(item.key(), item.value().clone());
+  for (auto& [name, b] : named_state(*model_, StateParts::kBuffers, /*once=*/false)) out.emplace_back(name, b.clone());
   return out;
 }
 
 ShardedState FullyShardedModel::checkpoint_state(bool saves) {
+  check_usable("checkpoint_state");
   reshard_all();
   ShardedState state;
   const int rank = comm_.rank();
@@ -28,12 +29,8 @@ ShardedState FullyShardedModel::checkpoint_state(bool saves) {
     const FsdpParam& p = units_[u]->params()[k];
     state.tensors.push_back({p.name, p.sharded, p.spec.sizes, p.spec.first_row_of(rank), saves});
   }
-  std::set<const void*> seen;
-  for (const auto& item : model_->named_buffers(/*recurse=*/true)) {
-    const at::Tensor& b = item.value();
-    if (!b.defined() || !seen.insert(b.unsafeGetTensorImpl()).second) continue;
-    state.tensors.push_back({item.key(), b, b.sizes().vec(), 0, saves && rank == 0});
-  }
+  for (auto& [name, b] : named_state(*model_, StateParts::kBuffers, /*once=*/true))
+    state.tensors.push_back({name, b, b.sizes().vec(), 0, saves && rank == 0});
   return state;
 }
 

@@ -6,9 +6,12 @@
 /// a Handle; nothing is complete until `Handle::wait()` returns. Arguments are validated on the calling thread
 /// before anything is submitted, so a mistake one rank can see is a C++ exception at the call. One rank alone cannot
 /// see that another rank issued a different size: Gloo fails such a pair on its own transport thread, which ends
-/// the process. The wrappers size every collective from the model and their options, and compare the ranks' models
-/// before their first one (check_same_model, model_check.h; the options are the caller's to keep alike); a direct
-/// caller must issue the same collectives, of the same sizes, in the same order on every rank.
+/// the process (PyTorch's own Gloo groups do the same). The wrappers size every collective from the model and their
+/// options, and compare the ranks' models before their first one (check_same_model, model_check.h; the options are
+/// the caller's to keep alike); a direct caller must issue the same collectives, of the same sizes, in the same
+/// order on every rank. To find where one does not, turn on set_check_collectives (or SHARDLAB_CHECK_COLLECTIVES=1):
+/// every collective is then compared across the ranks first, and a difference is an exception on every rank's own
+/// thread, as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL does (Note [Checked collectives] in communicator.cpp).
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
 /// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to
@@ -208,6 +211,13 @@ class Communicator {
   AllGatherAlgorithm all_gather_algorithm() const { return ag_algorithm_; }
   /// Chooses it. Every rank of the group must choose the same, before the collectives it affects.
   void set_all_gather_algorithm(AllGatherAlgorithm algorithm) { ag_algorithm_ = algorithm; }
+  /// Whether every collective is first compared across the ranks (Note [Checked collectives]): off by default,
+  /// since the comparison is itself a small collective that each call waits for.
+  bool checks_collectives() const { return check_collectives_; }
+  /// Turns the comparison on or off. Every rank of the group must choose the same, between collectives. When on, a
+  /// call whose operation, dtype, sizes, reduction or root differ from another rank's throws std::invalid_argument
+  /// on every rank, naming both calls, before anything of it is sent.
+  void set_check_collectives(bool on) { check_collectives_ = on; }
 
   /// In-place all-reduce of `t` over the group (kSum, kAvg, or kMax). @pre t is contiguous and on the group's
   /// device.
@@ -225,6 +235,7 @@ class Communicator {
 
  private:
   void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
+  void check_same_call(const char* op, const at::Tensor& t, int64_t output_numel, int64_t detail);
   size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
   Handle ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
   Handle ring_all_gather(const at::Tensor& output, const at::Tensor& wire_out, const at::Tensor& wire_in,
@@ -242,6 +253,7 @@ class Communicator {
   int size_;
   ReduceScatterAlgorithm rs_algorithm_ = ReduceScatterAlgorithm::kAuto;
   AllGatherAlgorithm ag_algorithm_ = AllGatherAlgorithm::kAuto;
+  bool check_collectives_ = false;
   uint64_t ring_sequence_ = 0;     // ring reduce-scatters so far: the tag of the next one
   uint64_t ag_ring_sequence_ = 0;  // ring all-gathers so far: the tag of the next one (another range of tags)
   // Issuing work on a c10d backend is not thread-safe (Gloo numbers its ops unguarded): the calling thread and the

@@ -15,6 +15,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab {
@@ -122,5 +123,25 @@ at::Tensor UnitRef<M>::operator()(const at::Tensor& x) const {
 /// matrices, zeros for biases, ones for norm weights). Used by the models; exposed for tests that need ranks to
 /// start from different weights.
 void init_parameters(torch::nn::Module& module, uint64_t seed);
+
+/// Which of a module's tensors named_state lists.
+enum class StateParts {
+  kParametersAndBuffers,  ///< every parameter, then every buffer
+  kParameters,            ///< the parameters only
+  kBuffers,               ///< the buffers only (FSDP holds the parameters itself)
+};
+
+/// `module`'s tensors with their full names ("block0.fc.weight"), in registration order, undefined ones left out.
+/// A tensor registered under two names (a tied weight) is listed under each, as PyTorch's state_dict() does, or,
+/// with `once`, under its first name only, as a checkpoint saves it (a weight stored twice would load twice).
+/// @param module the model.
+/// @param parts the parameters and buffers, or the buffers only.
+/// @param once list a tensor registered under several names once.
+std::vector<std::pair<std::string, at::Tensor>> named_state(const torch::nn::Module& module, StateParts parts,
+                                                            bool once);
+
+/// Parameters of `model` that require grad, in registration order; a tensor registered under two names (a tied
+/// weight) once, where it first appears, so that an optimizer steps it once and a wrapper reduces it once.
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model);
 
 }  // namespace shardlab

@@ -42,9 +42,7 @@ c10::Device device_of(const TrainConfig& config);
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
                                                         double lr);
 
-/// Parameters of `model` that require grad, in registration order; a tensor registered under two names (a tied
-/// weight) once, where it first appears, so that an optimizer steps it once.
-std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& model);
+// trainable_parameters (the parameters an optimizer steps, a tied weight once) is in model.h.
 
 /// Result of a reference run.
 struct ReferenceResult {

@@ -148,7 +148,10 @@ struct MemoryTheory {
 ///    optimizer must be built on `parameters()` (the sharded ones), and the full values are read with
 ///    `full_parameters()`. Buffers are replicated, not sharded.
 ///  - Call `loss(batch)` for the forward, then `.backward()` on it (or on a tensor computed from it), on every
-///    rank, the same way: every unit is a collective. Every rank must run the same units in the same order.
+///    rank, the same way: every unit is a collective. Every rank must run the same units in the same order, and
+///    leave the same trainable parameters without gradient (Note [A parameter unused on some ranks] in fsdp.cpp:
+///    exact on Gloo with CPU tensors; on NCCL a rank that differs must fail, which allow_unused_parameters false
+///    makes it do).
 ///  - After a synchronized backward, each sharded parameter's `.grad()` holds its rows of the gradient of the
 ///    mean loss over all ranks' batches (accumulated into a gradient already there: zero it before each step).
 ///  - A forward under `NoGradGuard` (evaluation) gathers and frees like a training forward (collectives on every
@@ -158,6 +161,10 @@ struct MemoryTheory {
 ///    gradients are all in (frozen(x) + fc(x) does), and nothing tells when it has. memory_theory() counts it.
 ///  - Each unit may run once per forward; a parameter may belong to one unit only; double backward is not
 ///    supported.
+///  - A collective that fails is an exception from the call that waits for it. After an all-gather failed, the
+///    wrapper refuses every further loss, gather, clip and checkpoint with std::logic_error naming the unit and the
+///    error (Note [A wrapper whose all-gather failed]): make a new group and wrapper, and load the last checkpoint.
+///    After a reduce-scatter failed, backward throws once every other one was waited for; nothing stays pending.
 ///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
 ///    the wrapper is gone the model's registered parameters have no storage: read `full_parameters()` before.
 class FullyShardedModel {
@@ -297,6 +304,7 @@ class FullyShardedModel {
   void end_of_backward();
   void settle_aborted_backward();
   void reshard_all();
+  void check_usable(const char* call) const;  // Note [A wrapper whose all-gather failed]
   void reset_iteration();
 
   std::shared_ptr<Model> model_;

@@ -106,6 +106,9 @@ class FsdpUnit {
   const std::string& name() const { return name_; }
   /// Where the parameters are now.
   UnitState state() const { return state_; }
+  /// Empty, or the error of the unit's all-gather that failed: its parameters never arrived, it stays unsharding,
+  /// and every later wait on it rethrows that error.
+  const std::string& failure() const { return failure_; }
   /// The managed parameters, in the order given.
   const std::vector<FsdpParam>& params() const { return params_; }
   /// The dtypes after clamping.
@@ -195,6 +198,7 @@ class FsdpUnit {
   std::vector<at::Tensor> gather_full_parameters();
 
  private:
+  void wait_for_all_gather();  // all_gather_.wait(), keeping the first failure in failure_
   void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
   at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
   void release_gradient(size_t k);
@@ -227,6 +231,7 @@ class FsdpUnit {
   std::vector<int64_t> sharded_grad_bytes_;                    // ... and its bytes
   std::function<void(UnitEventKind)> sink_;                    // set_event_sink
   UnitState state_ = UnitState::kSharded;
+  std::string failure_;      // see failure()
   uint64_t generation_ = 0;  // bumped by discard_unsharded_gradients: older reductions are dropped on arrival
 };
 
