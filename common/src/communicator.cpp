@@ -6,6 +6,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -460,15 +461,30 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
 // it posted, on Gloo's transport thread, and the process ends (gloo::EnforceNotMet, "op.preamble.length <=
 // op.nbytes"). PyTorch 1.13 ends the same way; its TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the group so that every
 // collective first all-gathers a fingerprint of the call and compares. The check here is that: the call's
-// operation, dtype, element counts, reduction or root, as int64s of a fixed count, all-gathered through the backend
-// and waited for on the calling thread. A fixed-size gather cannot itself mismatch, and a rank that never comes is
-// the group's timeout. Every rank compares every rank's fingerprint with rank 0's, so every rank throws the same
-// error, before anything of the real call is sent. What it costs: one small collective per call, which also makes
-// each call wait until every rank has reached it (a rank can no longer run ahead of the others). Hence off by
-// default, for finding a bug, as in PyTorch.
+// operation, dtype, element counts, reduction or root, device type and the algorithms chosen, as int64s of a fixed
+// count, all-gathered through the backend and waited for on the calling thread, right after the tensors' own
+// checks and before the checks one rank can make alone (so a size only one rank got wrong is reported by every
+// rank, as the difference it is). A fixed-size gather cannot itself mismatch, and a rank that never comes is the
+// group's timeout (on NCCL, the backend's own). Every rank compares every rank's fingerprint with rank 0's, so
+// every rank throws the same error, at the call, before anything of the real call is sent.
+// What it compares is every call in the order each rank makes it, of every kind: as strict as NCCL, which orders
+// everything, and stricter than Gloo's rings, which pair all-gathers and reduce-scatters apart (Note [Ring
+// all-gather]). So FSDP with a parameter unused on some ranks only is reported (Note [A parameter unused on some
+// ranks]): exact on Gloo with CPU tensors, a mismatch on NCCL. What it costs: one small collective per call, which
+// also makes each call wait until every rank has reached it (a rank can no longer run ahead of the others). Hence
+// off by default, for finding a bug, as in PyTorch.
 namespace {
 
-enum CallField : int64_t { kOpField, kDtypeField, kNumelField, kOutputField, kDetailField, kCallFields };
+enum CallField : int64_t {
+  kOpField,
+  kDtypeField,
+  kNumelField,
+  kOutputField,
+  kDetailField,     // the reduction, or the broadcast's root
+  kDeviceField,     // the tensors' device type (Gloo takes CPU and CUDA tensors by different paths)
+  kAlgorithmField,  // an all-gather's AllGatherAlgorithm, a reduce-scatter's ReduceScatterAlgorithm
+  kCallFields
+};
 
 std::string describe_call(const int64_t* f) {
   static const char* const ops[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
@@ -480,6 +496,11 @@ std::string describe_call(const int64_t* f) {
   if (op == 2 || op == 3) s << " (output " << f[kOutputField] << ")";
   if (op == 1) s << " from root " << f[kDetailField];
   if (op == 0 || op == 3) s << " (" << reduce_name(static_cast<ReduceOp>(f[kDetailField])) << ")";
+  s << " on " << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[kDeviceField]), /*lower_case=*/true);
+  static const char* const all_gathers[] = {"auto", "ring", "backend"};
+  static const char* const reduce_scatters[] = {"auto", "ring", "all_reduce"};
+  const int64_t a = f[kAlgorithmField];
+  if ((op == 2 || op == 3) && a >= 0 && a < 3) s << ", algorithm " << (op == 2 ? all_gathers : reduce_scatters)[a];
   return s.str();
 }
 
@@ -496,8 +517,14 @@ void Communicator::check_same_call(const char* op, const at::Tensor& t, int64_t 
   f[kNumelField] = t.numel();
   f[kOutputField] = output_numel;
   f[kDetailField] = detail;
-  // NCCL carries CUDA tensors only (the current device, as every NCCL call here).
-  const c10::Device device = kind_ == BackendKind::kNccl ? t.device() : c10::Device(c10::kCPU);
+  f[kDeviceField] = static_cast<int64_t>(t.device().type());
+  f[kAlgorithmField] = f[kOpField] == 2   ? static_cast<int64_t>(ag_algorithm_)
+                       : f[kOpField] == 3 ? static_cast<int64_t>(rs_algorithm_)
+                                          : 0;
+  // NCCL carries CUDA tensors only: the call's device, or the current one for a barrier (whose tensor is empty).
+  const c10::Device device = kind_ != BackendKind::kNccl ? c10::Device(c10::kCPU)
+                             : t.is_cuda()               ? t.device()
+                                                         : c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
   at::Tensor wire = mine.to(device);
   at::Tensor all = at::empty({size_, kCallFields}, wire.options());
   std::vector<at::Tensor> rows;
@@ -526,12 +553,12 @@ void Communicator::check_same_call(const char* op, const at::Tensor& t, int64_t 
 
 Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   check_tensor(t, "tensor", "all_reduce");
+  check_same_call("all_reduce", t, t.numel(), static_cast<int64_t>(op));
   const bool bf16_fallback = !reduces_natively(t.scalar_type());
   const bool native_avg = kind_ == BackendKind::kNccl;
   if (op == ReduceOp::kAvg && !is_floating(t.scalar_type()))
     throw std::invalid_argument(std::string("all_reduce: avg needs a floating dtype; got ") +
                                 c10::toString(t.scalar_type()));
-  check_same_call("all_reduce", t, t.numel(), static_cast<int64_t>(op));
   if (bf16_fallback) warn_bf16_sent_as_f32("all_reduce");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
   c10d::AllreduceOptions opts;
@@ -555,10 +582,10 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
 
 Handle Communicator::broadcast(const at::Tensor& t, int root) {
   check_tensor(t, "tensor", "broadcast");
+  check_same_call("broadcast", t, t.numel(), root);
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast: root must be in [0, " + std::to_string(size_) + "); got " +
                                 std::to_string(root));
-  check_same_call("broadcast", t, t.numel(), root);
   const bool bf16_fallback = !reduces_natively(t.scalar_type());
   if (bf16_fallback) warn_bf16_sent_as_f32("broadcast");
   at::Tensor wire = bf16_fallback ? t.to(c10::kFloat) : t;
@@ -576,6 +603,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
 Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
   check_tensor(output, "output", "all_gather");
   check_tensor(input, "input", "all_gather");
+  check_same_call("all_gather", input, output.numel(), 0);
   if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
     throw std::invalid_argument(std::string("all_gather: output and input must share dtype and device; got ") +
                                 c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
@@ -584,7 +612,6 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
     throw std::invalid_argument(
         "all_gather: output must have world_size * input.numel() = " + std::to_string(size_ * input.numel()) +
         " elements; got " + std::to_string(output.numel()));
-  check_same_call("all_gather", input, output.numel(), 0);
   const bool bf16_fallback = !reduces_natively(input.scalar_type());
   if (bf16_fallback) warn_bf16_sent_as_f32("all_gather");
   at::Tensor wire_in = bf16_fallback ? input.to(c10::kFloat) : input;
@@ -615,6 +642,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
 Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   check_tensor(output, "output", "reduce_scatter");
   check_tensor(input, "input", "reduce_scatter");
+  check_same_call("reduce_scatter", input, output.numel(), static_cast<int64_t>(op));
   if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
     throw std::invalid_argument(std::string("reduce_scatter: output and input must share dtype and device; got ") +
                                 c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
@@ -628,7 +656,6 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   if (op == ReduceOp::kAvg && !is_floating(input.scalar_type()))
     throw std::invalid_argument(std::string("reduce_scatter: avg needs a floating dtype; got ") +
                                 c10::toString(input.scalar_type()));
-  check_same_call("reduce_scatter", input, output.numel(), static_cast<int64_t>(op));
   if (has_reduce_scatter()) {  // NCCL: reduces (AVG included) and scatters by itself
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = op == ReduceOp::kAvg ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;

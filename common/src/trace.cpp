@@ -1,43 +1,36 @@
 #include "shardlab/common/trace.h"
 
+#include <nlohmann/json.hpp>
+
+#include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <iomanip>
-#include <sstream>
 #include <stdexcept>
 
 namespace shardlab {
 namespace {
 
-std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-      continue;
-    }
-    out += c;
-  }
-  return out + "\"";
+using Json = nlohmann::ordered_json;
+
+// Microseconds, as Chrome's trace format counts, to the nanosecond.
+double us(int64_t ns) { return static_cast<double>(ns) / 1e3; }
+
+// One complete ("X") event.
+Json event(const std::string& name, const std::string& cat, int pid, int tid, int64_t start_ns, int64_t end_ns,
+           Json args) {
+  return {{"name", name},
+          {"cat", cat},
+          {"ph", "X"},
+          {"pid", pid},
+          {"tid", tid},
+          {"ts", us(start_ns)},
+          {"dur", us(end_ns - start_ns)},
+          {"args", args.is_null() ? Json::object() : std::move(args)}};
 }
 
-// One complete ("X") event; times in steady-clock microseconds.
-void event(std::ostream& out, bool& first, const std::string& name, const std::string& cat, int pid, int tid,
-           int64_t start_ns, int64_t end_ns, const std::string& args) {
-  out << (first ? "\n  " : ",\n  ") << "{\"name\": " << quoted(name) << ", \"cat\": " << quoted(cat)
-      << ", \"ph\": \"X\", \"pid\": " << pid << ", \"tid\": " << tid << ", \"ts\": " << std::fixed
-      << std::setprecision(3) << static_cast<double>(start_ns) / 1e3
-      << ", \"dur\": " << static_cast<double>(end_ns - start_ns) / 1e3 << ", \"args\": {" << args << "}}";
-  first = false;
-}
-
-void name_event(std::ostream& out, bool& first, const char* kind, int pid, int tid, const std::string& name) {
-  out << (first ? "\n  " : ",\n  ") << "{\"name\": \"" << kind << "\", \"ph\": \"M\", \"pid\": " << pid
-      << ", \"tid\": " << tid << ", \"args\": {\"name\": " << quoted(name) << "}}";
-  first = false;
+// A metadata ("M") event naming a process or a thread.
+Json name_event(const char* kind, int pid, int tid, const std::string& name) {
+  return {{"name", kind}, {"ph", "M"}, {"pid", pid}, {"tid", tid}, {"args", {{"name", name}}}};
 }
 
 }  // namespace
@@ -56,15 +49,13 @@ Timeline::Scope::~Scope() {
 void write_chrome_trace(const std::string& path, int rank, const std::vector<TraceSpan>& compute,
                         const std::vector<CollectiveRecord>& collectives, const std::vector<WaitRecord>& waits,
                         const std::vector<CounterSample>& counters) {
-  std::ostringstream out;
-  bool first = true;
-  out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [";
-  name_event(out, first, "process_name", rank, 0, "rank " + std::to_string(rank));
-  name_event(out, first, "thread_name", rank, 1, "compute");
+  Json events = Json::array();
+  events.push_back(name_event("process_name", rank, 0, "rank " + std::to_string(rank)));
+  events.push_back(name_event("thread_name", rank, 1, "compute"));
   for (const auto& s : compute)
-    event(out, first, s.name, "compute", rank, 1, s.start_ns, s.end_ns,
-          s.step >= 0 ? "\"step\": " + std::to_string(s.step) : "");
-  for (const auto& w : waits) event(out, first, "wait: " + w.what, "wait", rank, 1, w.start_ns, w.end_ns, "");
+    events.push_back(
+        event(s.name, "compute", rank, 1, s.start_ns, s.end_ns, s.step >= 0 ? Json{{"step", s.step}} : Json::object()));
+  for (const auto& w : waits) events.push_back(event("wait: " + w.what, "wait", rank, 1, w.start_ns, w.end_ns, {}));
 
   // Lanes: a collective goes to the first lane whose previous collective ended before it started.
   std::vector<int64_t> lane_end;
@@ -75,30 +66,31 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<Tra
     while (lane < lane_end.size() && lane_end[lane] > c.start_ns) ++lane;
     if (lane == lane_end.size()) {
       lane_end.push_back(0);
-      name_event(out, first, "thread_name", rank, static_cast<int>(2 + lane), "comm " + std::to_string(lane));
+      events.push_back(name_event("thread_name", rank, static_cast<int>(2 + lane), "comm " + std::to_string(lane)));
     }
     lane_end[lane] = c.end_ns;
-    std::ostringstream args;
-    args << "\"index\": " << i << ", \"op\": " << quoted(c.op) << ", \"wire_op\": " << quoted(c.wire_op)
-         << ", \"dtype\": " << quoted(c10::toString(c.dtype))
-         << ", \"wire_dtype\": " << quoted(c10::toString(c.wire_dtype)) << ", \"numel\": " << c.numel
-         << ", \"bytes\": " << c.bytes << ", \"group\": " << quoted(c.group) << ", \"reduce\": " << quoted(c.reduce);
-    event(out, first, c.op, "comm", rank, static_cast<int>(2 + lane), c.start_ns, c.end_ns, args.str());
+    events.push_back(event(c.op, "comm", rank, static_cast<int>(2 + lane), c.start_ns, c.end_ns,
+                           {{"index", i},
+                            {"op", c.op},
+                            {"wire_op", c.wire_op},
+                            {"dtype", c10::toString(c.dtype)},
+                            {"wire_dtype", c10::toString(c.wire_dtype)},
+                            {"numel", c.numel},
+                            {"bytes", c.bytes},
+                            {"group", c.group},
+                            {"reduce", c.reduce}}));
   }
   for (const auto& c : counters) {
-    out << (first ? "\n  " : ",\n  ") << "{\"name\": " << quoted(c.track) << ", \"ph\": \"C\", \"pid\": " << rank
-        << ", \"ts\": " << std::fixed << std::setprecision(3) << static_cast<double>(c.ns) / 1e3 << ", \"args\": {";
-    for (size_t i = 0; i < c.series.size(); ++i)
-      out << (i ? ", " : "") << quoted(c.series[i].first) << ": " << std::setprecision(0) << c.series[i].second;
-    out << "}}";
-    first = false;
+    Json series = Json::object();
+    for (const auto& [name, value] : c.series) series[name] = std::llround(value);  // bytes, counts
+    events.push_back({{"name", c.track}, {"ph", "C"}, {"pid", rank}, {"ts", us(c.ns)}, {"args", series}});
   }
-  out << "\n]}\n";
+  const Json trace{{"displayTimeUnit", "ms"}, {"traceEvents", events}};
 
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp);
-    f << out.str();
+    f << trace.dump(1, ' ', false, Json::error_handler_t::replace) << "\n";
     if (!f) throw std::runtime_error("cannot write trace file '" + path + "'");
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename trace to '" + path + "'");

@@ -566,6 +566,29 @@ TEST(Collectives, WithTheCheckOnASizeMismatchIsAnExceptionOnEveryRankAndTheGroup
       EXPECT_EQ(after[r], 3.0f) << k.op << ": the next all-reduce must pair with its like";
     }
   }
+  // The same sizes by different paths (the ring on rank 0, Gloo's own all-gather on rank 1) would pair a send with
+  // a collective: reported as well.
+  GroupOptions o = test_group();
+  o.check_collectives = true;
+  std::vector<std::string> paths(2);
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        c.set_all_gather_algorithm(c.rank() == 0 ? AllGatherAlgorithm::kRing : AllGatherAlgorithm::kBackend);
+        try {
+          c.all_gather(at::ones({8}), at::ones({4})).wait();
+        } catch (const std::invalid_argument& e) {
+          paths[c.rank()] = e.what();
+        }
+      },
+      o);
+  for (int r = 0; r < 2; ++r) {
+    std::cout << "algorithms, rank " << r << ": " << paths[r] << "\n";
+    EXPECT_NE(paths[r].find("algorithm ring, rank 1 calls all_gather of 4 Float elements (output 8) on cpu, "
+                            "algorithm backend"),
+              std::string::npos)
+        << "rank " << r << ": '" << paths[r] << "'";
+  }
 }
 
 TEST(Collectives, RunRanksNamesTheFailingRank) {

@@ -100,12 +100,14 @@ with tempfile.TemporaryDirectory() as tmp:
     chosen = tuned.get("auto_caps") or []
     check(len(chosen) == 6 and saved_caps == f"{int(chosen[0])} {int(chosen[1])}",
           f"the checkpoint keeps the caps chosen after step 2: saved {saved_caps!r}, chosen {chosen[:2]}")
-    again = train(tmp, "again", *auto, "--steps", "4", "--resume", os.path.join(tmp, "auto1"),
+    # Other caps on the command line (64 KiB, which auto never starts from here): the saved ones still win.
+    other = [a if a not in ("4", "8") else "64" for a in auto]
+    again = train(tmp, "again", *other, "--steps", "4", "--resume", os.path.join(tmp, "auto1"),
                   "--save", os.path.join(tmp, "auto2"))
     kept = json.load(open(os.path.join(tmp, "auto2", "index.json")))["metadata"].get("bucketed_ddp.caps")
-    check(not again.get("auto_caps") and kept == saved_caps,
-          f"resumed at step 3, the caps are the saved ones and not chosen again: {kept!r}, report "
-          f"{again.get('auto_caps')}")
+    check(not again.get("auto_caps") and kept == saved_caps and saved_caps != "65536 65536",
+          f"resumed at step 3 with other caps given, the caps are the saved ones and not chosen again: {kept!r}, "
+          f"report {again.get('auto_caps')}")
     model_file = os.path.join(tmp, "model.safetensors")
     run("export", ckpt, model_file)
     weights, meta = read_safetensors(model_file)

@@ -7,6 +7,7 @@
 #include "shardlab/common/model.h"
 
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -15,7 +16,6 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <regex>
 #include <sstream>
 #include <stdexcept>
 
@@ -129,10 +129,23 @@ struct TorchResult {
 
 }  // namespace
 
-double json_number(const std::string& text, const std::string& key) {
-  std::smatch m;
-  if (std::regex_search(text, m, std::regex("\"" + key + "\"\\s*:\\s*([-0-9.eE+]+)"))) return std::stod(m[1]);
-  return NAN;
+nlohmann::json peer_json(const PeerRun& run, const std::string& what) {
+  try {
+    return nlohmann::json::parse(run.text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::runtime_error(what + " wrote a result that is not JSON (" + e.what() + "): '" + run.text.substr(0, 200) +
+                             "'");
+  }
+}
+
+double json_number(const nlohmann::json& j, const std::string& key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : NAN;
+}
+
+std::string json_string(const nlohmann::json& j, const std::string& key) {
+  const auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
 }
 
 PeerRun run_peer_script(const RunOptions& o, const std::vector<std::string>& argv, const std::string& result) {
@@ -188,14 +201,12 @@ TorchResult run_torch(const BenchOptions& b) {
     t.why = "PyTorch DDP run failed (" + run.problem + ")";
     return t;
   }
-  const std::string text = run.text;
+  const nlohmann::json j = peer_json(run, "PyTorch DDP (" + b.torch_script + ")");
   t.ok = true;
-  t.step_ms = json_number(text, "median_step_ms");
-  t.param_count = json_number(text, "param_count");
-  t.buckets = json_number(text, "num_buckets");
-  std::smatch m;
-  const std::string& s = text;
-  if (std::regex_search(s, m, std::regex("\"torch_version\"\\s*:\\s*\"([^\"]*)\""))) t.version = m[1];
+  t.step_ms = json_number(j, "median_step_ms");
+  t.param_count = json_number(j, "param_count");
+  t.buckets = json_number(j, "num_buckets");
+  t.version = json_string(j, "torch_version");
   return t;
 }
 
@@ -256,11 +267,16 @@ int run_bench(const std::vector<std::string>& args, const std::string& self_exe)
                               "` (see README). Machine: " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) +
                               " CPU cores.\n\n" + ddp_md + (ddp_md.empty() || fsdp_md.empty() ? "" : "\n") + fsdp_md +
                               (rs_md.empty() ? "" : "\n") + rs_md + (hsdp_md.empty() ? "" : "\n") + hsdp_md);
+    // Each section's JSON, null where the section did not run.
+    const auto section = [](const std::string& text) {
+      return text.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json::parse(text);
+    };
+    const nlohmann::ordered_json all{{"ddp", section(ddp_json)},
+                                     {"fsdp", section(fsdp_json)},
+                                     {"reduce_scatter", section(rs_json)},
+                                     {"hsdp", section(hsdp_json)}};
     write_file_atomically(b.out + ".json",
-                          "{\n  \"ddp\": " + (ddp_json.empty() ? std::string("null") : ddp_json) +
-                              ",\n  \"fsdp\": " + (fsdp_json.empty() ? std::string("null") : fsdp_json) +
-                              ",\n  \"reduce_scatter\": " + (rs_json.empty() ? std::string("null") : rs_json) +
-                              ",\n  \"hsdp\": " + (hsdp_json.empty() ? std::string("null") : hsdp_json) + "\n}\n");
+                          all.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
     std::cout << "\nwrote " << b.out << ".md and " << b.out << ".json\n";
   }
   return 0;
@@ -426,14 +442,13 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
             "backward gave its core to the "
             "threads moving a collective in flight (Note [Yielding to communication]; *no yield*: `--comm-yield "
             "off`). Step times are medians over the steps of one run (the first steps included).\n";
-  std::ostringstream json;
-  json.precision(17);
-  json << "{\n  \"pytorch_ddp\": {\"ok\": " << (torch.ok ? "true" : "false")
-       << ", \"median_step_ms\": " << (torch.ok ? torch.step_ms : 0.0) << ", \"torch_version\": \"" << torch.version
-       << "\"},\n"
-       << "  \"repeat\": " << b.repeat << ",\n  \"threads\": " << o.threads
-       << ",\n  \"strategies\": " << reports_json(rows, true) << "}";
-  *json_out = json.str();
+  const nlohmann::ordered_json json{
+      {"pytorch_ddp",
+       {{"ok", torch.ok}, {"median_step_ms", torch.ok ? torch.step_ms : 0.0}, {"torch_version", torch.version}}},
+      {"repeat", b.repeat},
+      {"threads", o.threads},
+      {"strategies", reports_to_json(rows)}};
+  *json_out = json.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 
 #include "options.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <string>
 #include <vector>
 
@@ -100,8 +102,16 @@ PeerRun run_peer_script(const RunOptions& options, const std::vector<std::string
 /// `v` in fixed notation with `precision` digits after the point, as the bench's tables print figures.
 std::string fmt(double v, int precision);
 
-/// The number after `"key":` in a JSON text (NaN when absent). Enough for the peers' flat result files.
-double json_number(const std::string& text, const std::string& key);
+/// A peer's result file (`run.text`) as JSON.
+/// @throws std::runtime_error naming `what` when the text is not JSON.
+nlohmann::json peer_json(const PeerRun& run, const std::string& what);
+
+/// The number under `key` in the object `j`; NaN where it is missing or not a number (a figure the peer did not
+/// report).
+double json_number(const nlohmann::json& j, const std::string& key);
+
+/// The string under `key` in the object `j`; "" where it is missing or not a string.
+std::string json_string(const nlohmann::json& j, const std::string& key);
 
 /// Body of `shardlab bench ARGS`: prints the table; with --out PREFIX also writes PREFIX.json and PREFIX.md.
 /// @throws std::invalid_argument on a bad flag.

@@ -13,6 +13,7 @@
 #include "shardlab/common/model.h"
 
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdio>
@@ -21,7 +22,6 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <regex>
 #include <sstream>
 
 namespace shardlab::cli {
@@ -107,14 +107,13 @@ Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, 
     p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
     return p;
   }
-  const std::string& s = run.text;
+  const nlohmann::json j = peer_json(run, "PyTorch FSDP2 (torch_fsdp.py)");
   p.ok = true;
-  p.step_ms = json_number(s, "median_step_ms");
-  p.param_count = json_number(s, "param_count");
-  p.payload = json_number(s, "payload_bytes_per_step");
-  p.sent = json_number(s, "sent_bytes_per_step");
-  std::smatch m;
-  if (std::regex_search(s, m, std::regex("\"torch_version\"\\s*:\\s*\"([^\"]*)\""))) p.version = m[1];
+  p.step_ms = json_number(j, "median_step_ms");
+  p.param_count = json_number(j, "param_count");
+  p.payload = json_number(j, "payload_bytes_per_step");
+  p.sent = json_number(j, "sent_bytes_per_step");
+  p.version = json_string(j, "torch_version");
   return p;
 }
 
@@ -291,17 +290,18 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   out.targets = targets.str();
   std::vector<RunReport> reports;
   for (const auto& row : rows) reports.push_back(row.report);
-  std::ostringstream json;
-  json.precision(17);
-  json << "{\"pytorch_fsdp2\": [";
+  nlohmann::ordered_json peer_rows = nlohmann::ordered_json::array();
   for (int i = 0; i < 2; ++i)
-    json << (i ? ", " : "") << "{\"ok\": " << (ratios ? "true" : "false")
-         << ", \"reshard_after_forward\": " << (i == 0 ? "true" : "false")
-         << ", \"median_step_ms\": " << peers[i].step_ms << ", \"sent_bytes_per_step\": " << peers[i].sent
-         << ", \"torch_version\": \"" << peers[i].version << "\"}";
-  json << "], \"host_blas\": \"" << host_blas << "\", \"peer_blas\": \"" << peer_blas
-       << "\", \"strategies\": " << reports_json(reports, true) << "}";
-  out.json = json.str();
+    peer_rows.push_back({{"ok", ratios},
+                         {"reshard_after_forward", i == 0},
+                         {"median_step_ms", peers[i].step_ms},
+                         {"sent_bytes_per_step", peers[i].sent},
+                         {"torch_version", peers[i].version}});
+  out.json = nlohmann::ordered_json{{"pytorch_fsdp2", peer_rows},
+                                    {"host_blas", host_blas},
+                                    {"peer_blas", peer_blas},
+                                    {"strategies", reports_to_json(reports)}}
+                 .dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   return out;
 }
 

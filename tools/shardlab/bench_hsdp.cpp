@@ -11,6 +11,7 @@
 #include "shardlab/common/reference.h"
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -135,18 +136,18 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
   out.targets = targets.str();
   std::vector<RunReport> reports;
   for (const auto& row : rows) reports.push_back(row.report);
-  std::ostringstream json;
-  json.precision(17);
-  json << "{\"pytorch_fsdp2\": [";
+  nlohmann::ordered_json peer_rows = nlohmann::ordered_json::array();
   for (int i = 0; i < 2; ++i)
-    json << (i ? ", " : "") << "{\"ok\": " << (peer_ok ? "true" : "false") << ", \"mesh\": \"" << (i == 0 ? "2x2" : "")
-         << "\", \"median_step_ms\": " << peers[i].step_ms << ", \"payload_bytes_per_step\": " << peers[i].payload
-         << ", \"torch_version\": \"" << peers[i].version << "\"}";
-  std::string problem = peer_why;
-  for (char& ch : problem)  // a JSON string: no quote, backslash or control character (a rank's last line)
-    if (ch == '"' || ch == '\\' || static_cast<unsigned char>(ch) < 0x20) ch = ch == '"' ? '\'' : ' ';
-  json << "], \"peer_problem\": \"" << problem << "\", \"runs\": " << reports_json(reports, true) << "}";
-  out.json = json.str();
+    peer_rows.push_back({{"ok", peer_ok},
+                         {"mesh", i == 0 ? "2x2" : ""},
+                         {"median_step_ms", peers[i].step_ms},
+                         {"payload_bytes_per_step", peers[i].payload},
+                         {"torch_version", peers[i].version}});
+  // A rank's last line may hold any byte: nlohmann escapes it, and replaces what is not UTF-8.
+  out.json =
+      nlohmann::ordered_json{
+          {"pytorch_fsdp2", peer_rows}, {"peer_problem", peer_why}, {"runs", reports_to_json(reports)}}
+          .dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   return out;
 }
 

@@ -20,6 +20,7 @@
 #include <stdexcept>
 
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 namespace shardlab::cli {
 namespace {
@@ -49,8 +50,7 @@ int run_rs_probe(const std::vector<std::string>& args) {
   group.timeout = std::chrono::milliseconds(120'000);
   auto comm = communicator_from_env(group);
   const int world = comm->size();
-  std::ostringstream json;
-  json << "{\"world\": " << world << ", \"rows\": [";
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   for (size_t s = 0; s < kSizes.size(); ++s) {
     const int64_t numel = kSizes[s] / 4 / world * world;  // float32, divisible by the world size
     at::Tensor input = at::rand({numel});
@@ -91,14 +91,17 @@ int run_rs_probe(const std::vector<std::string>& args) {
     }
     // kBackend is in force here: the copy the backend's own all-gather makes (the ring makes none).
     const int64_t ag_copy = comm->all_gather_scratch_bytes(c10::kFloat, numel / world, c10::Device(c10::kCPU));
-    json << (s ? ", " : "") << "{\"bytes\": " << numel * 4 << ", \"ring_ms\": " << best[0]
-         << ", \"all_reduce_ms\": " << best[1] << ", \"ring_sent\": " << sent[0] << ", \"all_reduce_sent\": " << sent[1]
-         << ", \"ag_ring_ms\": " << ag_best[0] << ", \"ag_backend_ms\": " << ag_best[1]
-         << ", \"ag_backend_copy\": " << ag_copy << "}";
+    rows.push_back({{"bytes", numel * 4},
+                    {"ring_ms", best[0]},
+                    {"all_reduce_ms", best[1]},
+                    {"ring_sent", sent[0]},
+                    {"all_reduce_sent", sent[1]},
+                    {"ag_ring_ms", ag_best[0]},
+                    {"ag_backend_ms", ag_best[1]},
+                    {"ag_backend_copy", ag_copy}});
   }
-  json << "]}\n";
   comm->barrier();
-  if (comm->rank() == 0) std::ofstream(out) << json.str();
+  if (comm->rank() == 0) std::ofstream(out) << nlohmann::ordered_json{{"world", world}, {"rows", rows}}.dump() << "\n";
   return 0;
 }
 
@@ -113,13 +116,13 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
       fs::remove_all(dir, ignored);
     }
   } remove_at_exit{dir};
-  std::ostringstream md, ag_md, targets, json;
+  std::ostringstream md, ag_md, targets;
+  nlohmann::ordered_json probes = nlohmann::ordered_json::array();
   ag_md << "| ranks | output KiB | ring ms | backend's ms | ring / backend's | copy beside the output: ring | "
            "backend's |\n|---|---|---|---|---|---|---|\n";
   double ag_worst = 0, ag_best_ratio = 1e30;
   md << "| ranks | input KiB | ring ms | all-reduce ms | ring / all-reduce | sent by ring | sent by all-reduce | "
         "auto picks | faster |\n|---|---|---|---|---|---|---|---|---|\n";
-  json << "[";
   int wrong = 0, rows = 0;
   double worst = 1.0;
   for (int world : {2, 3, 4}) {
@@ -129,13 +132,9 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
     const PeerRun r =
         run_peer_script(o, {self_exe, "rs-probe", "--out", file, "--repeat", std::to_string(repeat)}, file);
     if (!r.ok) throw std::runtime_error("reduce-scatter probe at " + std::to_string(world) + " ranks: " + r.problem);
-    json << (world == 2 ? "" : ", ") << r.text;
-    // One row per size: the probe writes them in kSizes order.
-    size_t pos = 0;
-    while ((pos = r.text.find("{\"bytes\"", pos)) != std::string::npos) {
-      const size_t end = r.text.find('}', pos);
-      const std::string one = r.text.substr(pos, end - pos + 1);
-      pos = end;
+    const nlohmann::json probe = peer_json(r, "the reduce-scatter probe at " + std::to_string(world) + " ranks");
+    probes.push_back(nlohmann::ordered_json::parse(r.text));  // as the probe wrote it, key order kept
+    for (const nlohmann::json& one : probe.value("rows", nlohmann::json::array())) {  // one per size, in kSizes order
       const double bytes = json_number(one, "bytes"), ring = json_number(one, "ring_ms"),
                    all_reduce = json_number(one, "all_reduce_ms");
       const bool auto_ring = ring_reduce_scatter_pays(world, static_cast<int64_t>(bytes));
@@ -160,7 +159,6 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
             << " |\n";
     }
   }
-  json << "]";
   targets
       << "- sent bytes per rank: the ring's from its record, (N-1)/N of the input; the all-reduce's 2(N-1)/N of the "
          "input it records (what a ring all-reduce sends)\n"
@@ -176,7 +174,7 @@ RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string&
   result.markdown =
       md.str() + "\nThe ring all-gather beside the backend's own, the same sizes as outputs:\n\n" + ag_md.str();
   result.targets = targets.str();
-  result.json = json.str();
+  result.json = probes.dump();
   return result;
 }
 

@@ -373,99 +373,78 @@ void print_comparison(const std::vector<RunReport>& reports) {
                 << static_cast<int64_t>(g.bytes) << std::setw(12) << static_cast<int64_t>(g.bytes_theory) << "\n";
 }
 
-namespace {
-
-void json_array(std::ostream& out, const std::vector<double>& v) {
-  out << '[';
-  for (size_t i = 0; i < v.size(); ++i) out << (i ? ", " : "") << v[i];
-  out << ']';
+nlohmann::ordered_json report_to_json(const RunReport& r) {
+  // The documented keys, in this order (README, notebooks/, tests/tools/check_train_json.py).
+  nlohmann::ordered_json j;
+  j["strategy"] = r.strategy;
+  j["world_size"] = r.world_size;
+  j["model"] = r.train.model;
+  j["optimizer"] = r.train.optimizer;
+  j["lr"] = r.train.lr;
+  j["steps"] = r.train.steps;
+  j["global_batch"] = r.train.global_batch;
+  j["micro_batches"] = r.train.micro_batches;
+  j["clip_norm"] = r.train.clip_norm;
+  j["clip_norm_type"] = std::isinf(r.train.clip_p) ? "inf" : "2";
+  j["seed"] = r.train.seed;
+  j["device"] = r.train.device;
+  j["backend"] = r.backend;
+  j["first_step"] = r.first_step;
+  j["resumed_from"] = r.resumed_from;
+  j["save_dir"] = r.save_dir;
+  j["save_every"] = r.save_every;
+  j["losses"] = r.losses;
+  j["reference_losses"] = r.reference_losses;
+  j["max_param_diff"] = r.max_param_diff;
+  j["collectives_per_step"] = r.collectives_per_step;
+  j["collectives_per_step_theory"] = r.collectives_per_step_theory;
+  j["setup_collectives"] = r.setup_collectives;
+  j["bytes_per_step"] = r.bytes_per_step;
+  j["bytes_per_step_theory"] = r.bytes_per_step_theory;
+  j["sent_bytes_per_step"] = r.sent_bytes_per_step;
+  j["step_time_ms"] = r.step_time_ms;
+  j["buckets"] = r.buckets;
+  j["comm_busy_ms_per_step"] = r.comm_busy_ms_per_step;
+  j["exposed_comm_ms_per_step"] = r.exposed_comm_ms_per_step;
+  j["exposed_share_median"] = r.exposed_share_median;
+  j["comm_yield"] = r.comm_yield;
+  j["progress_yields_per_step"] = r.progress_yields_per_step;
+  j["layers"] = r.train.layers;
+  j["reshard_after_forward"] = r.reshard_after_forward;
+  j["prefetch_depth"] = r.prefetch_depth;
+  j["prefetch_limit"] = r.prefetch_limit;
+  j["dim"] = r.train.dim;
+  j["peak_param_bytes"] = r.peak_param_bytes;
+  j["peak_param_bytes_theory"] = r.peak_param_bytes_theory;
+  j["peak_grad_bytes"] = r.peak_grad_bytes;
+  j["peak_grad_bytes_theory"] = r.peak_grad_bytes_theory;
+  j["auto_caps"] = r.auto_caps;
+  j["auto_caps_buckets_theory"] = r.auto_caps_buckets_theory;
+  j["pool_buffers"] = r.pool_buffers;
+  j["mesh"] = r.mesh;
+  j["defer_all_reduce"] = r.defer_all_reduce;
+  j["groups"] = nlohmann::ordered_json::object();
+  for (const auto& [role, g] : r.groups)
+    j["groups"][role] = {{"collectives_per_step", g.collectives},
+                         {"collectives_per_step_theory", g.collectives_theory},
+                         {"bytes_per_step", g.bytes},
+                         {"bytes_per_step_theory", g.bytes_theory}};
+  j["peak_rss_bytes"] = r.peak_rss_bytes;
+  j["trace_dir"] = r.trace_dir;
+  return j;
 }
 
-void json_report(std::ostream& out, const RunReport& r, const std::string& pad) {
-  out << pad << "{\n"
-      << pad << "  \"strategy\": \"" << r.strategy << "\",\n"
-      << pad << "  \"world_size\": " << r.world_size << ",\n"
-      << pad << "  \"model\": \"" << r.train.model << "\",\n"
-      << pad << "  \"optimizer\": \"" << r.train.optimizer << "\",\n"
-      << pad << "  \"lr\": " << r.train.lr << ",\n"
-      << pad << "  \"steps\": " << r.train.steps << ",\n"
-      << pad << "  \"global_batch\": " << r.train.global_batch << ",\n"
-      << pad << "  \"micro_batches\": " << r.train.micro_batches << ",\n"
-      << pad << "  \"clip_norm\": " << r.train.clip_norm << ",\n"
-      << pad << "  \"clip_norm_type\": \"" << (std::isinf(r.train.clip_p) ? "inf" : "2") << "\",\n"
-      << pad << "  \"seed\": " << r.train.seed << ",\n"
-      << pad << "  \"device\": \"" << r.train.device << "\",\n"
-      << pad << "  \"backend\": \"" << r.backend << "\",\n"
-      << pad << "  \"first_step\": " << r.first_step << ",\n"
-      << pad << "  \"resumed_from\": " << nlohmann::json(r.resumed_from).dump() << ",\n"
-      << pad << "  \"save_dir\": " << nlohmann::json(r.save_dir).dump() << ",\n"
-      << pad << "  \"save_every\": " << r.save_every << ",\n"
-      << pad << "  \"losses\": ";
-  json_array(out, r.losses);
-  out << ",\n" << pad << "  \"reference_losses\": ";
-  json_array(out, r.reference_losses);
-  out << ",\n"
-      << pad << "  \"max_param_diff\": " << r.max_param_diff << ",\n"
-      << pad << "  \"collectives_per_step\": " << r.collectives_per_step << ",\n"
-      << pad << "  \"collectives_per_step_theory\": " << r.collectives_per_step_theory << ",\n"
-      << pad << "  \"setup_collectives\": " << r.setup_collectives << ",\n"
-      << pad << "  \"bytes_per_step\": " << r.bytes_per_step << ",\n"
-      << pad << "  \"bytes_per_step_theory\": " << r.bytes_per_step_theory << ",\n"
-      << pad << "  \"sent_bytes_per_step\": " << r.sent_bytes_per_step << ",\n"
-      << pad << "  \"step_time_ms\": " << r.step_time_ms << ",\n"
-      << pad << "  \"buckets\": " << r.buckets << ",\n"
-      << pad << "  \"comm_busy_ms_per_step\": " << r.comm_busy_ms_per_step << ",\n"
-      << pad << "  \"exposed_comm_ms_per_step\": " << r.exposed_comm_ms_per_step << ",\n"
-      << pad << "  \"exposed_share_median\": " << r.exposed_share_median << ",\n"
-      << pad << "  \"comm_yield\": " << (r.comm_yield ? "true" : "false") << ",\n"
-      << pad << "  \"progress_yields_per_step\": " << r.progress_yields_per_step << ",\n"
-      << pad << "  \"layers\": " << r.train.layers << ",\n"
-      << pad << "  \"reshard_after_forward\": " << (r.reshard_after_forward ? "true" : "false") << ",\n"
-      << pad << "  \"prefetch_depth\": " << r.prefetch_depth << ",\n"
-      << pad << "  \"prefetch_limit\": " << r.prefetch_limit << ",\n"
-      << pad << "  \"dim\": " << r.train.dim << ",\n"
-      << pad << "  \"peak_param_bytes\": " << r.peak_param_bytes << ",\n"
-      << pad << "  \"peak_param_bytes_theory\": " << r.peak_param_bytes_theory << ",\n"
-      << pad << "  \"peak_grad_bytes\": " << r.peak_grad_bytes << ",\n"
-      << pad << "  \"peak_grad_bytes_theory\": " << r.peak_grad_bytes_theory << ",\n"
-      << pad << "  \"auto_caps\": ";
-  json_array(out, r.auto_caps);
-  out << ",\n"
-      << pad << "  \"auto_caps_buckets_theory\": " << r.auto_caps_buckets_theory << ",\n"
-      << pad << "  \"pool_buffers\": " << (r.pool_buffers ? "true" : "false") << ",\n"
-      << pad << "  \"mesh\": \"" << r.mesh << "\",\n"
-      << pad << "  \"defer_all_reduce\": " << (r.defer_all_reduce ? "true" : "false") << ",\n"
-      << pad << "  \"groups\": {";
-  bool first_group = true;
-  for (const auto& [role, g] : r.groups) {
-    out << (first_group ? "" : ",") << "\n"
-        << pad << "    \"" << role << "\": {\"collectives_per_step\": " << g.collectives
-        << ", \"collectives_per_step_theory\": " << g.collectives_theory << ", \"bytes_per_step\": " << g.bytes
-        << ", \"bytes_per_step_theory\": " << g.bytes_theory << "}";
-    first_group = false;
-  }
-  out << (first_group ? "" : "\n" + pad + "  ") << "},\n" << pad << "  \"peak_rss_bytes\": ";
-  json_array(out, r.peak_rss_bytes);
-  out << ",\n" << pad << "  \"trace_dir\": \"" << r.trace_dir << "\"\n" << pad << "}";
+nlohmann::ordered_json reports_to_json(const std::vector<RunReport>& reports) {
+  nlohmann::ordered_json all = nlohmann::ordered_json::array();
+  for (const auto& r : reports) all.push_back(report_to_json(r));
+  return all;
 }
-
-}  // namespace
 
 std::string reports_json(const std::vector<RunReport>& reports, bool as_array) {
-  std::ostringstream out;
-  out.precision(17);
-  if (as_array) {
-    out << "[\n";
-    for (size_t i = 0; i < reports.size(); ++i) {
-      json_report(out, reports[i], "  ");
-      out << (i + 1 < reports.size() ? ",\n" : "\n");
-    }
-    out << "]\n";
-  } else {
-    json_report(out, reports.at(0), "");
-    out << "\n";
-  }
-  return out.str();
+  // A path that is not UTF-8 is written with U+FFFD for the bytes JSON cannot hold.
+  return (as_array ? reports_to_json(reports) : report_to_json(reports.at(0)))
+             .dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) +
+         "\n";
 }
 
 void write_file_atomically(const std::string& path, const std::string& text) {

@@ -3,6 +3,8 @@
 
 #include "options.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <map>
 #include <string>
 #include <vector>
@@ -87,7 +89,11 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe);
 void print_report(const RunReport& r);
 /// Prints several runs side by side.
 void print_comparison(const std::vector<RunReport>& reports);
-/// The JSON text of one report (an object, `as_array` false) or several (an array).
+/// One report as JSON: its documented keys, in a fixed order.
+nlohmann::ordered_json report_to_json(const RunReport& r);
+/// Several, as an array.
+nlohmann::ordered_json reports_to_json(const std::vector<RunReport>& reports);
+/// The JSON text of one report (an object, `as_array` false) or several (an array), indented.
 std::string reports_json(const std::vector<RunReport>& reports, bool as_array);
 /// Writes `text` beside `path`, then renames it there: an existing file is only ever replaced by a complete one.
 /// @throws std::runtime_error when it cannot be written.

@@ -35,7 +35,8 @@
 //    both as rings of tagged send/recv, each kind numbered in its own order (Note [Ring reduce-scatter] in common),
 //    and the all-reduce fallback of small reduce-scatters is the only user of the group's collective order in a
 //    backward: the interleaving cannot pair unlike collectives, and the result is exact. Tested:
-//    FullyShardedModel.AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGloo.
+//    FullyShardedModel.AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGlooTensorsOnCpu. (Checked collectives,
+//    which compare every call in one order, report it: Note [Checked collectives] in common.)
 //  - NCCL, and Gloo with CUDA tensors, order every collective of the group in one sequence: there the late
 //    reduce-scatter can meet another rank's all-gather. Noticing it would take a collective every step, for every
 //    user, to catch one user's mistake. What keeps it from passing silently: with allow_unused_parameters false
@@ -221,15 +222,17 @@ std::vector<at::Tensor> FullyShardedModel::parameters() const {
 }
 
 // Note [A wrapper whose all-gather failed]
-// A unit whose all-gather failed (a rank died, a timeout) never got its parameters: it stays unsharding, and every
-// later wait on it rethrows the first error. Going on would mean computing with a buffer the collective never
-// filled, or issuing collectives on a group whose ranks may no longer agree on what comes next. So from then on
-// every call that would gather, compute or save (loss, full_parameters, full_state_dict, clip_grad_norm, the
-// checkpoints, a schedule's begin_unshard) refuses, naming the unit and the first error: nothing more is sent on
+// A unit whose all-gather was issued and failed (a rank died, a timeout) never got its parameters: it stays
+// unsharding, and every later wait on it rethrows the first error. Going on would mean computing with a buffer the
+// collective never filled, or issuing collectives on a group whose ranks may no longer agree on what comes next. So
+// from then on every call that would gather, compute or save (loss, full_parameters, full_state_dict, clip_grad_norm,
+// the checkpoints, a schedule's begin_unshard) refuses, naming the unit and the first error: nothing more is sent on
 // this wrapper, and nothing hangs. The way on is a new group and wrapper, and the last checkpoint (the tool: the
-// launcher stops every rank, and --resume). A failed reduce-scatter is different: backward throws it after
-// waiting for every other one, the parameters are untouched, and the next step may go on if the group still works
-// (stage 01's invariant 4); only the gradients of that step are wrong, and backward has said so.
+// launcher stops every rank, and --resume). Other failures leave no unit half-way, and the wrapper as it was: a
+// failed reduce-scatter (backward throws it after waiting for every other one; the parameters are untouched, and
+// the next step may go on if the group still works, as stage 01's invariant 4), the all-gathers of
+// full_parameters and of a checkpoint's text (into buffers of their own), and a call refused by checked
+// collectives before anything was sent.
 void FullyShardedModel::check_usable(const char* call) const {
   for (const auto& unit : units_)
     if (!unit->failure().empty())

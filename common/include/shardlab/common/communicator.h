@@ -9,9 +9,10 @@
 /// the process (PyTorch's own Gloo groups do the same). The wrappers size every collective from the model and their
 /// options, and compare the ranks' models before their first one (check_same_model, model_check.h; the options are
 /// the caller's to keep alike); a direct caller must issue the same collectives, of the same sizes, in the same
-/// order on every rank. To find where one does not, turn on set_check_collectives (or SHARDLAB_CHECK_COLLECTIVES=1):
-/// every collective is then compared across the ranks first, and a difference is an exception on every rank's own
-/// thread, as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL does (Note [Checked collectives] in communicator.cpp).
+/// order on every rank. To find where one does not, turn on set_check_collectives (or SHARDLAB_CHECK_COLLECTIVES=1
+/// for the groups make_communicator makes): every collective is then compared across the ranks first, and a
+/// difference is an exception on every rank's own thread, as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL does (Note
+/// [Checked collectives] in communicator.cpp).
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
 /// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to
@@ -215,8 +216,11 @@ class Communicator {
   /// since the comparison is itself a small collective that each call waits for.
   bool checks_collectives() const { return check_collectives_; }
   /// Turns the comparison on or off. Every rank of the group must choose the same, between collectives. When on, a
-  /// call whose operation, dtype, sizes, reduction or root differ from another rank's throws std::invalid_argument
-  /// on every rank, naming both calls, before anything of it is sent.
+  /// call whose operation, dtype, sizes, reduction, root, device type or algorithms differ from another rank's
+  /// throws std::invalid_argument on every rank, at the call, naming both calls, before anything of it is sent;
+  /// the comparison's own collective failing (a rank that never comes) throws std::runtime_error at the call too.
+  /// Every call is compared in the order each rank makes it, also ring all-gathers against ring reduce-scatters,
+  /// which Gloo pairs apart: ranks that interleave those differently are reported.
   void set_check_collectives(bool on) { check_collectives_ = on; }
 
   /// In-place all-reduce of `t` over the group (kSum, kAvg, or kMax). @pre t is contiguous and on the group's

@@ -20,7 +20,8 @@ struct GroupOptions {
   std::chrono::milliseconds timeout{60'000};  ///< per collective and for the rendezvous
   std::string hostname = "127.0.0.1";         ///< address Gloo binds to; "" = this host's default device
   /// Compare every collective across the ranks before it is sent (Communicator::set_check_collectives), for
-  /// finding a rank that issues another size. Also on when the environment has SHARDLAB_CHECK_COLLECTIVES=1.
+  /// finding a rank that issues another size. make_communicator also turns it on when the environment has
+  /// SHARDLAB_CHECK_COLLECTIVES=1.
   bool check_collectives = false;
   /// When set, make_communicator hands it each backend it creates, with the rank, and builds the Communicator on
   /// what it returns: a wrapper that forwards to the real backend (delay or fault injection, tracing), as c10d's

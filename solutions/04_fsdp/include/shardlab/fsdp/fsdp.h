@@ -161,10 +161,11 @@ struct MemoryTheory {
 ///    gradients are all in (frozen(x) + fc(x) does), and nothing tells when it has. memory_theory() counts it.
 ///  - Each unit may run once per forward; a parameter may belong to one unit only; double backward is not
 ///    supported.
-///  - A collective that fails is an exception from the call that waits for it. After an all-gather failed, the
-///    wrapper refuses every further loss, gather, clip and checkpoint with std::logic_error naming the unit and the
-///    error (Note [A wrapper whose all-gather failed]): make a new group and wrapper, and load the last checkpoint.
-///    After a reduce-scatter failed, backward throws once every other one was waited for; nothing stays pending.
+///  - A collective that fails is an exception from the call that waits for it. After a unit's all-gather failed
+///    (the unit is left half-way, without its parameters), the wrapper refuses every further loss, gather, clip and
+///    checkpoint with std::logic_error naming the unit and the error (Note [A wrapper whose all-gather failed]):
+///    make a new group and wrapper, and load the last checkpoint. After a reduce-scatter failed, backward throws
+///    once every other one was waited for; nothing stays pending, and the wrapper is as it was.
 ///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
 ///    the wrapper is gone the model's registered parameters have no storage: read `full_parameters()` before.
 class FullyShardedModel {
