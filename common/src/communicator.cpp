@@ -461,10 +461,10 @@ Handle Communicator::submit(c10::intrusive_ptr<compat::Work> work, size_t record
 // it posted, on Gloo's transport thread, and the process ends (gloo::EnforceNotMet, "op.preamble.length <=
 // op.nbytes"). PyTorch 1.13 ends the same way; its TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the group so that every
 // collective first all-gathers a fingerprint of the call and compares. The check here is that: the call's
-// operation, dtype, element counts, reduction or root, device type and the algorithms chosen, as int64s of a fixed
-// count, all-gathered through the backend and waited for on the calling thread, right after the tensors' own
-// checks and before the checks one rank can make alone (so a size only one rank got wrong is reported by every
-// rank, as the difference it is). A fixed-size gather cannot itself mismatch, and a rank that never comes is the
+// operation, dtypes, element counts, reduction or root, device types and the path it will take (the ring or not),
+// as int64s of a fixed count, all-gathered through the backend and waited for on the calling thread, right after the
+// tensors' own checks and before the checks one rank can make alone (so a size only one rank got wrong is reported by
+// every rank, as the difference it is). A fixed-size gather cannot itself mismatch, and a rank that never comes is the
 // group's timeout (on NCCL, the backend's own). Every rank compares every rank's fingerprint with rank 0's, so
 // every rank throws the same error, at the call, before anything of the real call is sent.
 // What it compares is every call in the order each rank makes it, of every kind: as strict as NCCL, which orders
@@ -480,9 +480,10 @@ enum CallField : int64_t {
   kDtypeField,
   kNumelField,
   kOutputField,
-  kDetailField,     // the reduction, or the broadcast's root
-  kDeviceField,     // the tensors' device type (Gloo takes CPU and CUDA tensors by different paths)
-  kAlgorithmField,  // an all-gather's AllGatherAlgorithm, a reduce-scatter's ReduceScatterAlgorithm
+  kOutputDtypeField,
+  kDetailField,  // the reduction, or the broadcast's root
+  kDeviceField,  // 16 x the input's device type + the output's (Gloo takes CPU and CUDA tensors by different paths)
+  kPathField,    // how the call travels: 0 the backend's own, 1 the ring, 2 an all-reduce (reduce-scatter)
   kCallFields
 };
 
@@ -496,17 +497,27 @@ std::string describe_call(const int64_t* f) {
   if (op == 2 || op == 3) s << " (output " << f[kOutputField] << ")";
   if (op == 1) s << " from root " << f[kDetailField];
   if (op == 0 || op == 3) s << " (" << reduce_name(static_cast<ReduceOp>(f[kDetailField])) << ")";
-  s << " on " << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[kDeviceField]), /*lower_case=*/true);
-  static const char* const all_gathers[] = {"auto", "ring", "backend"};
-  static const char* const reduce_scatters[] = {"auto", "ring", "all_reduce"};
-  const int64_t a = f[kAlgorithmField];
-  if ((op == 2 || op == 3) && a >= 0 && a < 3) s << ", algorithm " << (op == 2 ? all_gathers : reduce_scatters)[a];
+  s << " on " << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[kDeviceField] / 16), /*lower_case=*/true);
+  if (op == 2 || op == 3) {
+    static const char* const paths[] = {"by the backend", "by the ring", "as an all-reduce"};
+    s << ", output " << c10::toString(static_cast<c10::ScalarType>(f[kOutputDtypeField])) << " on "
+      << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[kDeviceField] % 16), /*lower_case=*/true);
+    if (f[kPathField] >= 0 && f[kPathField] < 3) s << ", " << paths[f[kPathField]];
+  }
   return s.str();
 }
 
 }  // namespace
 
-void Communicator::check_same_call(const char* op, const at::Tensor& t, int64_t output_numel, int64_t detail) {
+int Communicator::reduce_scatter_path(const at::Tensor& input) const {
+  if (has_reduce_scatter()) return 0;  // NCCL's own
+  const int64_t bytes = static_cast<int64_t>(input.numel() * input.element_size());
+  const bool ring = rs_algorithm_ == ReduceScatterAlgorithm::kRing ||
+                    (rs_algorithm_ == ReduceScatterAlgorithm::kAuto && ring_reduce_scatter_pays(size_, bytes));
+  return input.is_cpu() && ring ? 1 : 2;
+}
+
+void Communicator::check_same_call(const char* op, const at::Tensor& t, const at::Tensor& output, int64_t detail) {
   if (!check_collectives_) return;
   static const std::map<std::string, int64_t> codes{
       {"all_reduce", 0}, {"broadcast", 1}, {"all_gather", 2}, {"reduce_scatter", 3}, {"barrier", 4}};
@@ -515,12 +526,12 @@ void Communicator::check_same_call(const char* op, const at::Tensor& t, int64_t 
   f[kOpField] = codes.at(op);
   f[kDtypeField] = static_cast<int64_t>(t.scalar_type());
   f[kNumelField] = t.numel();
-  f[kOutputField] = output_numel;
+  f[kOutputField] = output.numel();
+  f[kOutputDtypeField] = static_cast<int64_t>(output.scalar_type());
   f[kDetailField] = detail;
-  f[kDeviceField] = static_cast<int64_t>(t.device().type());
-  f[kAlgorithmField] = f[kOpField] == 2   ? static_cast<int64_t>(ag_algorithm_)
-                       : f[kOpField] == 3 ? static_cast<int64_t>(rs_algorithm_)
-                                          : 0;
+  f[kDeviceField] = 16 * static_cast<int64_t>(t.device().type()) + static_cast<int64_t>(output.device().type());
+  // The path the call will take, not the setting: kAuto and kRing both take the ring for CPU tensors on Gloo.
+  f[kPathField] = f[kOpField] == 2 ? (all_gather_uses_ring(t) ? 1 : 0) : f[kOpField] == 3 ? reduce_scatter_path(t) : 0;
   // NCCL carries CUDA tensors only: the call's device, or the current one for a barrier (whose tensor is empty).
   const c10::Device device = kind_ != BackendKind::kNccl ? c10::Device(c10::kCPU)
                              : t.is_cuda()               ? t.device()
@@ -553,7 +564,7 @@ void Communicator::check_same_call(const char* op, const at::Tensor& t, int64_t 
 
 Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
   check_tensor(t, "tensor", "all_reduce");
-  check_same_call("all_reduce", t, t.numel(), static_cast<int64_t>(op));
+  check_same_call("all_reduce", t, t, static_cast<int64_t>(op));
   const bool bf16_fallback = !reduces_natively(t.scalar_type());
   const bool native_avg = kind_ == BackendKind::kNccl;
   if (op == ReduceOp::kAvg && !is_floating(t.scalar_type()))
@@ -582,7 +593,7 @@ Handle Communicator::all_reduce(const at::Tensor& t, ReduceOp op) {
 
 Handle Communicator::broadcast(const at::Tensor& t, int root) {
   check_tensor(t, "tensor", "broadcast");
-  check_same_call("broadcast", t, t.numel(), root);
+  check_same_call("broadcast", t, t, root);
   if (root < 0 || root >= size_)
     throw std::invalid_argument("broadcast: root must be in [0, " + std::to_string(size_) + "); got " +
                                 std::to_string(root));
@@ -603,7 +614,7 @@ Handle Communicator::broadcast(const at::Tensor& t, int root) {
 Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& input) {
   check_tensor(output, "output", "all_gather");
   check_tensor(input, "input", "all_gather");
-  check_same_call("all_gather", input, output.numel(), 0);
+  check_same_call("all_gather", input, output, 0);
   if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
     throw std::invalid_argument(std::string("all_gather: output and input must share dtype and device; got ") +
                                 c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
@@ -642,7 +653,7 @@ Handle Communicator::all_gather(const at::Tensor& output, const at::Tensor& inpu
 Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   check_tensor(output, "output", "reduce_scatter");
   check_tensor(input, "input", "reduce_scatter");
-  check_same_call("reduce_scatter", input, output.numel(), static_cast<int64_t>(op));
+  check_same_call("reduce_scatter", input, output, static_cast<int64_t>(op));
   if (output.scalar_type() != input.scalar_type() || output.device() != input.device())
     throw std::invalid_argument(std::string("reduce_scatter: output and input must share dtype and device; got ") +
                                 c10::toString(output.scalar_type()) + "/" + output.device().str() + " and " +
@@ -667,9 +678,7 @@ Handle Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& 
   }
   const int64_t bytes = static_cast<int64_t>(input.numel() * input.element_size());
   const bool ring_pays = ring_reduce_scatter_pays(size_, bytes);
-  const bool ring =
-      rs_algorithm_ == ReduceScatterAlgorithm::kRing || (rs_algorithm_ == ReduceScatterAlgorithm::kAuto && ring_pays);
-  if (input.is_cpu() && ring) return ring_reduce_scatter(output, input, op);
+  if (reduce_scatter_path(input) == 1) return ring_reduce_scatter(output, input, op);
   if (ring_pays)
     warn_once(
         "reduce_scatter sent as all_reduce",
@@ -817,7 +826,7 @@ void Communicator::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
   at::Tensor none = at::empty({0});
-  check_same_call("barrier", none, 0, 0);
+  check_same_call("barrier", none, none, 0);
   const size_t idx = record("barrier", "barrier", none, none, nullptr);
   submit(issue([&] { return backend_->barrier(opts); }), idx, nullptr, "barrier", kind_ == BackendKind::kGloo).wait();
 }

@@ -85,12 +85,12 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<Tra
     for (const auto& [name, value] : c.series) series[name] = std::llround(value);  // bytes, counts
     events.push_back({{"name", c.track}, {"ph", "C"}, {"pid", rank}, {"ts", us(c.ns)}, {"args", series}});
   }
-  const Json trace{{"displayTimeUnit", "ms"}, {"traceEvents", events}};
+  const Json trace{{"displayTimeUnit", "ms"}, {"traceEvents", std::move(events)}};
 
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp);
-    f << trace.dump(1, ' ', false, Json::error_handler_t::replace) << "\n";
+    f << trace.dump(-1, ' ', false, Json::error_handler_t::replace) << "\n";
     if (!f) throw std::runtime_error("cannot write trace file '" + path + "'");
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename trace to '" + path + "'");

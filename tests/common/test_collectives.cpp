@@ -584,8 +584,8 @@ TEST(Collectives, WithTheCheckOnASizeMismatchIsAnExceptionOnEveryRankAndTheGroup
       o);
   for (int r = 0; r < 2; ++r) {
     std::cout << "algorithms, rank " << r << ": " << paths[r] << "\n";
-    EXPECT_NE(paths[r].find("algorithm ring, rank 1 calls all_gather of 4 Float elements (output 8) on cpu, "
-                            "algorithm backend"),
+    EXPECT_NE(paths[r].find("by the ring, rank 1 calls all_gather of 4 Float elements (output 8) on cpu, output "
+                            "Float on cpu, by the backend"),
               std::string::npos)
         << "rank " << r << ": '" << paths[r] << "'";
   }

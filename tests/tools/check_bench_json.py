@@ -46,6 +46,10 @@ def report_ok(report, what):
           f"{sorted(set(report) - set(REPORT_KEYS))}, missing {sorted(set(REPORT_KEYS) - set(report))})")
     check(isinstance(report["world_size"], int) and isinstance(report["losses"], list)
           and all(isinstance(x, float) for x in report["losses"]), f"{what}: typed values")
+    # Counts are integers when whole, as the report wrote them before nlohmann ("26", not "26.0").
+    check(all(isinstance(report[k], int) for k in ("setup_collectives", "bytes_per_step_theory")),
+          f"{what}: whole counts written as integers: {report['setup_collectives']!r}, "
+          f"{report['bytes_per_step_theory']!r}")
 
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -78,6 +82,7 @@ with tempfile.TemporaryDirectory() as tmp:
     if has_torch:
         check(peer["ok"] is True and peer["median_step_ms"] > 0 and peer["torch_version"] != "",
               f"PyTorch DDP's figures read back from its JSON: {peer}")
+    check(len(ddp["strategies"]) >= 8, f"a report per strategy row: {len(ddp['strategies'])}")
     for r in ddp["strategies"]:
         report_ok(r, f"bench ddp, {r.get('strategy')}")
 
@@ -87,7 +92,8 @@ with tempfile.TemporaryDirectory() as tmp:
     check([p["world"] for p in rs] == [2, 3, 4], f"one probe per world size: {[p.get('world') for p in rs]}")
     row_keys = ["bytes", "ring_ms", "all_reduce_ms", "ring_sent", "all_reduce_sent", "ag_ring_ms", "ag_backend_ms",
                 "ag_backend_copy"]
-    check(all(list(row) == row_keys and row["ring_ms"] > 0 for p in rs for row in p["rows"]) and len(rs[0]["rows"]) == 6,
+    check(all(list(row) == row_keys and row["ring_ms"] > 0 for p in rs for row in p["rows"])
+          and all(len(p["rows"]) == 6 for p in rs),
           "every probe row has its keys and a time")
 
 if errors:

@@ -201,7 +201,13 @@ TorchResult run_torch(const BenchOptions& b) {
     t.why = "PyTorch DDP run failed (" + run.problem + ")";
     return t;
   }
-  const nlohmann::json j = peer_json(run, "PyTorch DDP (" + b.torch_script + ")");
+  nlohmann::json j;
+  try {
+    j = peer_json(run, "PyTorch DDP (" + b.torch_script + ")");
+  } catch (const std::runtime_error& e) {  // no figure, as for a failed run: the rest of the bench goes on
+    t.why = e.what();
+    return t;
+  }
   t.ok = true;
   t.step_ms = json_number(j, "median_step_ms");
   t.param_count = json_number(j, "param_count");

@@ -107,7 +107,13 @@ Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, 
     p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
     return p;
   }
-  const nlohmann::json j = peer_json(run, "PyTorch FSDP2 (torch_fsdp.py)");
+  nlohmann::json j;
+  try {
+    j = peer_json(run, "PyTorch FSDP2 (torch_fsdp.py)");
+  } catch (const std::runtime_error& e) {  // no figure, as for a failed run: the rest of the bench goes on
+    p.why = e.what();
+    return p;
+  }
   p.ok = true;
   p.step_ms = json_number(j, "median_step_ms");
   p.param_count = json_number(j, "param_count");

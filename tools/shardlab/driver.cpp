@@ -373,8 +373,25 @@ void print_comparison(const std::vector<RunReport>& reports) {
                 << static_cast<int64_t>(g.bytes) << std::setw(12) << static_cast<int64_t>(g.bytes_theory) << "\n";
 }
 
+namespace {
+
+// A count kept as a double (per step, averaged over steps) written as an integer when it is one, as it was before
+// the report was written with nlohmann: "26", not "26.0".
+nlohmann::ordered_json count(double v) {
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9.0e15) return static_cast<int64_t>(v);
+  return v;
+}
+
+nlohmann::ordered_json counts(const std::vector<double>& v) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (double x : v) out.push_back(count(x));
+  return out;
+}
+
+}  // namespace
+
 nlohmann::ordered_json report_to_json(const RunReport& r) {
-  // The documented keys, in this order (README, notebooks/, tests/tools/check_train_json.py).
+  // The documented keys, in this order (README, notebooks/; tests/tools/check_bench_json.py checks the order).
   nlohmann::ordered_json j;
   j["strategy"] = r.strategy;
   j["world_size"] = r.world_size;
@@ -396,40 +413,40 @@ nlohmann::ordered_json report_to_json(const RunReport& r) {
   j["losses"] = r.losses;
   j["reference_losses"] = r.reference_losses;
   j["max_param_diff"] = r.max_param_diff;
-  j["collectives_per_step"] = r.collectives_per_step;
-  j["collectives_per_step_theory"] = r.collectives_per_step_theory;
-  j["setup_collectives"] = r.setup_collectives;
-  j["bytes_per_step"] = r.bytes_per_step;
-  j["bytes_per_step_theory"] = r.bytes_per_step_theory;
-  j["sent_bytes_per_step"] = r.sent_bytes_per_step;
+  j["collectives_per_step"] = count(r.collectives_per_step);
+  j["collectives_per_step_theory"] = count(r.collectives_per_step_theory);
+  j["setup_collectives"] = count(r.setup_collectives);
+  j["bytes_per_step"] = count(r.bytes_per_step);
+  j["bytes_per_step_theory"] = count(r.bytes_per_step_theory);
+  j["sent_bytes_per_step"] = count(r.sent_bytes_per_step);
   j["step_time_ms"] = r.step_time_ms;
-  j["buckets"] = r.buckets;
+  j["buckets"] = count(r.buckets);
   j["comm_busy_ms_per_step"] = r.comm_busy_ms_per_step;
   j["exposed_comm_ms_per_step"] = r.exposed_comm_ms_per_step;
   j["exposed_share_median"] = r.exposed_share_median;
   j["comm_yield"] = r.comm_yield;
-  j["progress_yields_per_step"] = r.progress_yields_per_step;
+  j["progress_yields_per_step"] = count(r.progress_yields_per_step);
   j["layers"] = r.train.layers;
   j["reshard_after_forward"] = r.reshard_after_forward;
   j["prefetch_depth"] = r.prefetch_depth;
   j["prefetch_limit"] = r.prefetch_limit;
   j["dim"] = r.train.dim;
-  j["peak_param_bytes"] = r.peak_param_bytes;
-  j["peak_param_bytes_theory"] = r.peak_param_bytes_theory;
-  j["peak_grad_bytes"] = r.peak_grad_bytes;
-  j["peak_grad_bytes_theory"] = r.peak_grad_bytes_theory;
-  j["auto_caps"] = r.auto_caps;
-  j["auto_caps_buckets_theory"] = r.auto_caps_buckets_theory;
+  j["peak_param_bytes"] = count(r.peak_param_bytes);
+  j["peak_param_bytes_theory"] = count(r.peak_param_bytes_theory);
+  j["peak_grad_bytes"] = count(r.peak_grad_bytes);
+  j["peak_grad_bytes_theory"] = count(r.peak_grad_bytes_theory);
+  j["auto_caps"] = counts(r.auto_caps);
+  j["auto_caps_buckets_theory"] = count(r.auto_caps_buckets_theory);
   j["pool_buffers"] = r.pool_buffers;
   j["mesh"] = r.mesh;
   j["defer_all_reduce"] = r.defer_all_reduce;
   j["groups"] = nlohmann::ordered_json::object();
   for (const auto& [role, g] : r.groups)
-    j["groups"][role] = {{"collectives_per_step", g.collectives},
-                         {"collectives_per_step_theory", g.collectives_theory},
-                         {"bytes_per_step", g.bytes},
-                         {"bytes_per_step_theory", g.bytes_theory}};
-  j["peak_rss_bytes"] = r.peak_rss_bytes;
+    j["groups"][role] = {{"collectives_per_step", count(g.collectives)},
+                         {"collectives_per_step_theory", count(g.collectives_theory)},
+                         {"bytes_per_step", count(g.bytes)},
+                         {"bytes_per_step_theory", count(g.bytes_theory)}};
+  j["peak_rss_bytes"] = counts(r.peak_rss_bytes);
   j["trace_dir"] = r.trace_dir;
   return j;
 }

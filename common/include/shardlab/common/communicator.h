@@ -216,7 +216,7 @@ class Communicator {
   /// since the comparison is itself a small collective that each call waits for.
   bool checks_collectives() const { return check_collectives_; }
   /// Turns the comparison on or off. Every rank of the group must choose the same, between collectives. When on, a
-  /// call whose operation, dtype, sizes, reduction, root, device type or algorithms differ from another rank's
+  /// call whose operation, dtypes, sizes, reduction, root, device types or path (ring or not) differ from another's
   /// throws std::invalid_argument on every rank, at the call, naming both calls, before anything of it is sent;
   /// the comparison's own collective failing (a rank that never comes) throws std::runtime_error at the call too.
   /// Every call is compared in the order each rank makes it, also ring all-gathers against ring reduce-scatters,
@@ -239,7 +239,8 @@ class Communicator {
 
  private:
   void check_tensor(const at::Tensor& t, const char* what, const char* op) const;
-  void check_same_call(const char* op, const at::Tensor& t, int64_t output_numel, int64_t detail);
+  void check_same_call(const char* op, const at::Tensor& t, const at::Tensor& output, int64_t detail);
+  int reduce_scatter_path(const at::Tensor& input) const;  // 0 the backend's, 1 the ring, 2 an all-reduce
   size_t record(const char* op, const char* wire_op, const at::Tensor& t, const at::Tensor& wire, ReduceOp* red);
   Handle ring_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op);
   Handle ring_all_gather(const at::Tensor& output, const at::Tensor& wire_out, const at::Tensor& wire_in,
