@@ -578,7 +578,9 @@ TEST(LowPrecisionHooks, DivideInTheirOwnDtype) {
 // most) before they call theirs, so its collective cannot have completed yet. What needs the result (the
 // post-division, the cast back, the copy into output) runs only in wait(): until then `output` is untouched, an
 // fp32 all-reduce's grad holds the pre-divided gradient only, and a low-precision hook's grad is untouched (it
-// communicates a copy). Integer gradients: every average is exact.
+// communicates a copy). Rank 0 looks at them before it lets the others call theirs: once they have, the collective
+// may complete at any moment and write its sum into grad (a run under load once saw 6, the sum, here). Integer
+// gradients: every average is exact.
 TEST(HookContract, HooksReturnAtOnceAndFinishOnlyInWait) {
   struct Case {
     std::string hook;
@@ -602,7 +604,6 @@ TEST(HookContract, HooksReturnAtOnceAndFinishOnlyInWait) {
           Handle h;
           if (comm.rank() == 0) {
             h = hook(grad, out);
-            returned[i] = true;
             if (c.reduce_scatter)
               EXPECT_TRUE(out.eq(-1.0f).all().item<bool>())
                   << what << ": output changed before wait() (it holds " << out[0].item<float>()
@@ -615,6 +616,7 @@ TEST(HookContract, HooksReturnAtOnceAndFinishOnlyInWait) {
               EXPECT_TRUE(grad.eq(2.0f).all().item<bool>())
                   << what << ": grad changed before wait() (it holds " << grad[0].item<float>()
                   << "); the hook communicates a low-precision copy and casts back in the continuation";
+            returned[i] = true;  // only now may the others call theirs, and the collective complete
           } else {
             const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
             while (!returned[i] && std::chrono::steady_clock::now() < deadline)
