@@ -22,70 +22,127 @@ def expect(cmd, code, needle):
         failures += 1
 
 
-expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy expects one of single|naive_ddp|bucketed_ddp|")
-expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb expects an integer in [1, ")
+expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy: expects one of single|naive_ddp|bucketed_ddp|")
+expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb: expects an integer in [1, ")
 expect([shardlab, "train", "--strategy", "fsdp", "--bucket-cap-kb", "auto"], 2,
        "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the hook_* strategies; got "
        "strategy 'fsdp'")
 expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-depth", "-1"], 2,
-       "--prefetch-depth expects an integer in [0, 64]; got '-1'")
+       "--prefetch-depth: expects an integer in [0, 64]; got '-1'")
 expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-limit", "two"], 2,
-       "--prefetch-limit expects an integer")
+       "--prefetch-limit: expects an integer")
 expect([shardlab, "train", "--strategy", "fsdp", "--prefetch-depth", "2"], 2,
        "--prefetch-depth sets the prefetch of strategies fsdp_prefetch and hsdp; got strategy 'fsdp'")
 # The mesh: its form, its size against --world-size, and only for hsdp; all before any rank starts.
 expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "2by2"], 2,
-       "--mesh expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '2by2'")
-expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "0x2"], 2, "--mesh expects replicas x shards")
+       "--mesh: expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '2by2'")
+expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "0x2"], 2, "--mesh: expects replicas x shards")
 expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "2x2", "--world-size", "6"], 2,
        "--mesh 2x2 has 4 ranks; got --world-size 6")
 expect([shardlab, "train", "--strategy", "fsdp", "--mesh", "2x2"], 2,
        "--mesh applies to strategy hsdp only; got strategy 'fsdp'")
 expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "65536x65536"], 2,
-       "--mesh expects at most 64 ranks (R x S), as --world-size; got '65536x65536', 4294967296 ranks")
+       "--mesh: expects at most 64 ranks (R x S), as --world-size; got '65536x65536', 4294967296 ranks")
 expect([shardlab, "train", "--strategy", "hsdp", "--defer-all-reduce", "yes"], 2,
-       "--defer-all-reduce expects one of true|false; got 'yes'")
-expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat expects an integer in [1, 20]; got '0'")
-expect([shardlab, "train", "--world-size", "0"], 2, "--world-size expects an integer in [1, 64]; got '0'")
-expect([shardlab, "train", "--steps", "ten"], 2, "--steps expects an integer")
-expect([shardlab, "train", "--model", "resnet"], 2, "--model expects one of mlp|tiny_gpt|edge")
+       "--defer-all-reduce: expects one of true|false; got 'yes'")
+expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat: expects an integer in [1, 20]; got '0'")
+expect([shardlab, "train", "--world-size", "0"], 2, "--world-size: expects an integer in [1, 64]; got '0'")
+expect([shardlab, "train", "--steps", "ten"], 2, "--steps: expects an integer")
+expect([shardlab, "train", "--model", "resnet"], 2, "--model: expects one of mlp|tiny_gpt|edge")
 expect([shardlab, "train", "--world-size", "3", "--global-batch", "16"], 2, "must divide by world size")
 expect([shardlab, "train", "--strategy", "single", "--world-size", "4"], 2, "runs on one rank")
-expect([shardlab, "train", "--bogus", "1"], 2, "unknown flag '--bogus'")
-expect([shardlab, "train", "--steps"], 2, "--steps expects a value")
+expect([shardlab, "train", "--bogus", "1"], 2, "were not expected: 1 --bogus")  # CLI11's wording
+expect([shardlab, "train", "--steps"], 2, "--steps: 1 required")  # CLI11's wording
 expect([shardlab, "train", "--device", "gpu"], 2, "unknown device 'gpu'; expected cpu, cuda or cuda:N")
 # --json is checked before any rank starts (no training is wasted on a path that cannot be written).
 expect([shardlab, "train", "--steps", "1", "--json", "/nonexistent-dir/run.json"], 2,
        "--json expects a file in an existing directory; got '/nonexistent-dir/run.json'")
 expect([shardlab, "train", "--steps", "1", "--json", "/tmp"], 2, "--json expects a file to write; got '/tmp', a directory")
-expect([shardlab, "train", "--backend", "mpi"], 2, "--backend expects one of gloo|nccl; got 'mpi'")
-expect([shardlab, "train", "--comm-yield", "maybe"], 2, "--comm-yield expects one of on|off; got 'maybe'")
-expect([shardlab, "train", "--clip-norm", "-1"], 2, "--clip-norm expects a positive number; got '-1'")
+expect([shardlab, "train", "--backend", "mpi"], 2, "--backend: expects one of gloo|nccl; got 'mpi'")
+expect([shardlab, "train", "--comm-yield", "maybe"], 2, "--comm-yield: expects one of on|off; got 'maybe'")
+expect([shardlab, "train", "--clip-norm", "-1"], 2, "--clip-norm: expects a finite positive number; got '-1'")
 expect([shardlab, "train", "--clip-norm", "1", "--clip-norm-type", "1"], 2,
-       "--clip-norm-type expects one of 2|inf; got '1'")
+       "--clip-norm-type: expects one of 2|inf; got '1'")
 expect([shardlab, "train", "--clip-norm-type", "inf"], 2, "--clip-norm-type chooses the norm --clip-norm bounds")
 expect([shardlab, "train", "--strategy", "overlap_optimizer", "--clip-norm", "1"], 2,
        "--clip-norm needs the whole gradient before any parameter steps; strategy overlap_optimizer")
 # Checkpoints: the flags' pairs and strategies, a missing or too-late checkpoint, export's arguments; all before any
 # rank starts.
 expect([shardlab, "train", "--save-every", "2"], 2, "--save-every K saves every K steps into --save DIR; got it without")
-expect([shardlab, "train", "--save", "x", "--save-every", "0"], 2, "--save-every expects an integer in [1, ")
+expect([shardlab, "train", "--save", "x", "--save-every", "0"], 2, "--save-every: expects an integer in [1, ")
 expect([shardlab, "train", "--strategy", "overlap_optimizer", "--save", "x"], 2,
        "strategy overlap_optimizer keeps one optimizer per parameter inside its reducer")
 expect([shardlab, "train", "--save", "/etc"], 2,
        "--save expects a new or empty directory, or a checkpoint to replace; got '/etc'")
 expect([shardlab, "compare", "--save", "x"], 2, "--save, --save-every and --resume are options of shardlab train")
 expect([shardlab, "train", "--resume", "/nonexistent/ckpt"], 2, "--resume expects a checkpoint")
-expect([shardlab, "export", "only-one-argument"], 2, "export expects a checkpoint directory and a file to write")
-expect([shardlab, "export", "/nonexistent/ckpt", "out.safetensors"], 1, "no checkpoint at '/nonexistent/ckpt'")
+expect([shardlab, "export", "/tmp"], 2, "FILE is required")  # CLI11's wording
+expect([shardlab, "export", "/nonexistent/ckpt", "out.safetensors"], 2,
+       "DIR: expects a checkpoint's directory (train --save DIR); got '/nonexistent/ckpt', which does not exist")
+expect([shardlab, "export", "/tmp", "/nonexistent-dir/out.safetensors"], 2,
+       "FILE: expects a file to write in an existing directory; got '/nonexistent-dir/out.safetensors'")
+expect([shardlab, "export", "/tmp", "out.safetensors"], 1, "'/tmp' has no index.json")  # exists: not a checkpoint
+expect([shardlab, "bench", "--python", "/nonexistent/python3"], 2,
+       "--python: expects the python3 with torch; got '/nonexistent/python3', which does not exist")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
 expect([shardlab, "train", "--backend", "nccl", "--device", "cuda:0"], 2, "--backend nccl needs one GPU per rank")
 # Checked once by the driver, before any rank starts (this machine may or may not have CUDA).
 # "without CUDA" here; "is not a visible GPU" on a machine with fewer than 64 GPUs. Both name the device.
 expect([shardlab, "train", "--device", "cuda:63"], 2, "device cuda:63")
 expect([shardlab, "train", "--device", "cuda:300"], 2, "GPU index 300 is out of range")
-expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected train, compare, bench or export")
-expect([shardlab, "--help"], 0, "shardlab compare")
+expect([shardlab, "frobnicate"], 2, "unknown command 'frobnicate'; expected one of train, compare, bench, export, worker")
+expect([shardlab, "--help"], 0, "compare")
+expect([shardlab, "help"], 0, "compare")
+expect([shardlab, "train", "--help"], 0, "--write-config")
+expect([shardlab, "train", "--help"], 0, "--config FILE")
+# Integers are decimal, a leading zero too (CLI11 alone would read 010 as octal 8).
+expect([shardlab, "train", "--world-size", "3", "--global-batch", "010"], 2, "--global-batch 10 must divide")
+expect([launcher, "-n", "1", "--nnodes", "9", "--node-rank", "010", "--master-port", "29500", "--", "true"], 2,
+       "got 10")
+# A flag given twice: the last one (as argparse does).
+expect([shardlab, "train", "--world-size", "3", "--world-size", "4", "--global-batch", "6"], 2,
+       "world size x micro-batches = 4")
+expect([launcher, "-n", "1", "sh", "--", "-c", "true"], 2, "expected '--' followed by the program")
+expect([launcher, "-n", "1", "-n", "2", "--", "sh", "-c", "echo size $WORLD_SIZE"], 0, "size 2")
+expect([shardlab, "bench", "--repeat", "2", "--repeat", "0"], 2, "--repeat: expects an integer in [1, 20]; got '0'")
+expect([shardlab, "bench", "--out", "/nonexistent-dir/bench"], 2, "--out: expects PREFIX in an existing directory")
+expect([shardlab, "train", "--resume", "/tmp"], 2, "got '/tmp', a directory without index.json")
+expect([shardlab, "train", "--save", "/etc/passwd/x"], 2, "--save expects a directory to make")
+
+
+def every_option_refuses_a_bad_value():
+    """Every option of every command's --help, given a value it cannot take: exit 2, and the message names it."""
+    paths = {"--save": "/etc/passwd/x", "--resume": "/etc/passwd", "--trace": "/etc/passwd", "--json": "/tmp",
+             "--write-config": "", "--config": "", "--python": "/nonexistent/python3",
+             "--torch-script": "/nonexistent/x.py", "--out": "/nonexistent/x", "--result-dir": None,
+             "--torch-root": None,  # not checked: without the root, the FSDP section says so and runs the rest
+             "--master-addr": ""}
+    for cmd in [[shardlab, "train"], [shardlab, "compare"], [shardlab, "bench"], [shardlab, "worker"], [launcher]]:
+        text = subprocess.run(cmd + ["--help"], capture_output=True, text=True).stdout
+        flags = set()
+        for line in text.splitlines():
+            words = line.split()
+            if words and words[0].startswith("-"):  # "-n,--nproc-per-node", "--steps", "--steps K:INT in [1, 9]"
+                flags |= {f.split(":")[0].split("=")[0] for f in words[0].split(",") if f.startswith("--")}
+        flags.discard("--help")
+        global failures
+        print(f"{' '.join(cmd[1:]) or 'shardlab-run'}: {len(flags)} flags, each given a bad value", flush=True)
+        if len(flags) < 5:  # every command has more: the help's layout changed, and this loop would test nothing
+            print("FAIL", " ".join(cmd), "--help: expected at least 5 flags, found", sorted(flags), "in:\n", text)
+            failures += 1
+        for flag in sorted(flags):
+            if flag in ("--no-torch",):  # a switch: it takes no value
+                continue
+            bad = paths.get(flag, "010x")
+            if bad is None:
+                continue
+            args = cmd + [flag, bad] + (["--", "true"] if cmd == [launcher] else [])
+            if cmd[-1] == "worker":
+                args += ["--result-dir", "/tmp"] if flag != "--result-dir" else []
+            expect(args, 2, flag)
+
+
+every_option_refuses_a_bad_value()
 expect([launcher, "-n", "x", "--", "true"], 2, "-n")
 expect([launcher, "-n", "2", "true"], 2, "--")
 expect([launcher, "-n", "2", "--", "sh", "-c", "exit $RANK"], 1, "rank 1")

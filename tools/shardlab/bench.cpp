@@ -1,5 +1,7 @@
 #include "bench.h"
 
+#include "../cli_validators.h"
+
 #include "run.h"
 #include "strategies.h"
 
@@ -9,9 +11,12 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -62,57 +67,39 @@ struct BenchOptions {
   int repeat = 3;  // each figure: best median of this many runs
 };
 
-BenchOptions parse_bench(const std::vector<std::string>& args) {
+BenchOptions bench_options(const BenchFlags& f, const std::vector<std::string>& run_args) {
   BenchOptions b;
+  b.out = f.out;
+  b.python = f.python;
+  b.torch_script = f.torch_script;
+  b.torch = !f.no_torch;
+  b.fsdp.torch_root = f.torch_root;
+  b.repeat = f.repeat;
+  b.ddp_section = f.section == "ddp" || f.section == "all";
+  b.fsdp_section = f.section == "fsdp" || f.section == "all";
+  b.rs_section = f.section == "reduce_scatter" || f.section == "all";
+  b.hsdp_section = f.section == "hsdp" || f.section == "all";
   // The benchmark's defaults: the tiny GPT on 2 ranks, one thread each (2 ranks on 2 cores), 60 steps. Bucket
   // caps scaled to the model (111 KiB of gradients; PyTorch's 25 MiB would make one bucket that can only start
-  // when backward is over): 16 KiB first, 32 KiB then, about 4 buckets. PyTorch DDP gets the same caps.
-  std::vector<std::string> rest{"--model",         "tiny_gpt", "--world-size", "2", "--steps",           "60",
-                                "--global-batch",  "16",       "--threads",    "1", "--first-bucket-kb", "16",
-                                "--bucket-cap-kb", "32"};
+  // when backward is over): 16 KiB first, 32 KiB then, about 4 buckets. PyTorch DDP gets the same caps. The run
+  // options given override them (the last of a flag given twice), in both sections.
+  RunOptions ddp = default_run_options();
+  ddp.train.model = "tiny_gpt";
+  ddp.world_size = 2;
+  ddp.train.steps = 60;
+  ddp.train.global_batch = 16;
+  ddp.threads = 1;
+  ddp.strategy_options.first_bucket_cap_bytes = 16 * 1024;
+  ddp.strategy_options.bucket_cap_bytes = 32 * 1024;
   // The FSDP section's: the same tiny GPT made about 1M parameters wide (4 blocks of width 128: 800k), so that
   // communication is not all latency; 20 steps.
-  std::vector<std::string> fsdp_rest{"--model",        "tiny_gpt", "--world-size", "2", "--steps", "20",
-                                     "--global-batch", "16",       "--threads",    "1", "--dim",   "128",
-                                     "--layers",       "4"};
-  const char* root_env = std::getenv("SHARDLAB_TRIXIE_ROOT");
-  b.fsdp.torch_root = root_env && *root_env ? root_env : "/var/cache/shardlab/trixie";
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&]() -> const std::string& {
-      if (i + 1 >= args.size()) throw std::invalid_argument(a + " expects a value; got nothing");
-      return args[++i];
-    };
-    if (a == "--out")
-      b.out = value();
-    else if (a == "--python")
-      b.python = value();
-    else if (a == "--torch-script")
-      b.torch_script = value();
-    else if (a == "--no-torch")
-      b.torch = false;
-    else if (a == "--torch-root")
-      b.fsdp.torch_root = value();
-    else if (a == "--section") {
-      const std::string& v = value();
-      if (v != "ddp" && v != "fsdp" && v != "reduce_scatter" && v != "hsdp" && v != "all")
-        throw std::invalid_argument("--section expects one of ddp|fsdp|reduce_scatter|hsdp|all; got '" + v + "'");
-      b.ddp_section = v == "ddp" || v == "all";
-      b.fsdp_section = v == "fsdp" || v == "all";
-      b.rs_section = v == "reduce_scatter" || v == "all";
-      b.hsdp_section = v == "hsdp" || v == "all";
-    } else if (a == "--repeat") {
-      const std::string& v = value();
-      b.repeat = std::atoi(v.c_str());
-      if (b.repeat < 1 || b.repeat > 20 || v.find_first_not_of("0123456789") != std::string::npos)
-        throw std::invalid_argument("--repeat expects an integer in [1, 20]; got '" + v + "'");
-    } else {
-      rest.push_back(a);
-      fsdp_rest.push_back(a);
-    }
-  }
-  b.run = parse_options(rest, /*allow_strategy=*/false);
-  b.fsdp.run = parse_options(fsdp_rest, /*allow_strategy=*/false);
+  RunOptions fsdp = ddp;
+  fsdp.strategy_options = default_run_options().strategy_options;
+  fsdp.train.steps = 20;
+  fsdp.train.dim = 128;
+  fsdp.train.layers = 4;
+  b.run = parse_run_args(run_args, ddp, /*allow_strategy=*/false);
+  b.fsdp.run = parse_run_args(run_args, fsdp, /*allow_strategy=*/false);
   b.fsdp.repeat = b.repeat;
   b.fsdp.scripts_dir = fs::path(b.torch_script).parent_path().string();  // beside torch_ddp.py (--torch-script)
   b.fsdp.torch = b.torch;
@@ -228,8 +215,44 @@ namespace {
 void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::string* md_out, std::string* json_out);
 }  // namespace
 
-int run_bench(const std::vector<std::string>& args, const std::string& self_exe) {
-  const BenchOptions b = parse_bench(args);
+void add_bench_options(CLI::App& cmd, BenchFlags& f) {
+  cmd.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  const char* root = std::getenv("SHARDLAB_TRIXIE_ROOT");
+  f.torch_root = root && *root ? root : "/var/cache/shardlab/trixie";
+  f.torch_script = SHARDLAB_TORCH_DDP_SCRIPT;
+  cmd.add_option("--section", f.section,
+                 "ddp: every DDP strategy beside PyTorch DDP; fsdp: FSDP beside PyTorch FSDP2; reduce_scatter: the "
+                 "rings beside the all-reduce and Gloo's all-gather; hsdp: HSDP 2x2 beside FSDP and DDP at 4 ranks")
+      ->check(one_of({"ddp", "fsdp", "reduce_scatter", "hsdp", "all"}));
+  cmd.add_option("--repeat", f.repeat, "interleaved rounds; each figure is the best median")
+      ->transform(integer_in(1, 20));
+  cmd.add_option("--out", f.out, "also write PREFIX.md and PREFIX.json")
+      ->type_name("PREFIX")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {  // checked now, not after the whole benchmark
+            std::error_code ec;
+            const fs::path dir = fs::absolute(v, ec).parent_path();
+            if (!v.empty() && !ec && fs::is_directory(dir, ec) && !fs::is_directory(v, ec)) return "";
+            return "expects PREFIX in an existing directory (PREFIX.md and PREFIX.json are written); got '" + v + "'";
+          },
+          "PREFIX"));
+  cmd.add_flag("--no-torch", f.no_torch, "no PyTorch peers");
+  cmd.add_option("--python", f.python, "the python3 with torch (Debian's python3-torch)")
+      ->check(existing(false, "the python3 with torch"));
+  cmd.add_option("--torch-script", f.torch_script, "PyTorch DDP's script (torch_fsdp.py is beside it)")
+      ->check(existing(false, "tools/bench/torch_ddp.py or a script like it"));
+  // Not checked: without the root the FSDP section says so and runs the rest.
+  cmd.add_option("--torch-root", f.torch_root,
+                 "the Debian trixie root with torch 2.6 for FSDP2 (tools/bench/make-torch-root)")
+      ->type_name("DIR");
+  cmd.allow_extras();  // the run options: see bench_options
+  cmd.footer(
+      "Any option of shardlab train but --strategy and the checkpoints also applies (shardlab train --help); "
+      "it overrides the bench's defaults in every section.");
+}
+
+int run_bench(const BenchFlags& flags, const std::vector<std::string>& run_args, const std::string& self_exe) {
+  const BenchOptions b = bench_options(flags, run_args);
   std::string ddp_md, ddp_json, fsdp_md, fsdp_json;
   if (b.ddp_section) run_ddp_bench(b, self_exe, &ddp_md, &ddp_json);
   if (b.fsdp_section) {

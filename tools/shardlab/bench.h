@@ -6,6 +6,10 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+namespace CLI {
+class App;
+}
+
 #include <string>
 #include <vector>
 
@@ -82,8 +86,8 @@ struct RsBenchResult {
 RsBenchResult run_rs_bench(const RunOptions& run, int repeat, const std::string& self_exe);
 
 /// Body of the hidden `shardlab rs-probe --out FILE [--repeat R]`: one rank of run_rs_bench's measurement (torchrun's
-/// environment); rank 0 writes the figures to FILE. @throws std::invalid_argument on a bad flag.
-int run_rs_probe(const std::vector<std::string>& args);
+/// environment), `rounds` rounds; rank 0 writes the figures to `out`.
+int run_rs_probe(const std::string& out, int rounds);
 
 /// The BLAS that libblas.so.3 resolves to inside `root` ("" = this machine): "OpenBLAS", "reference BLAS (netlib)"...
 std::string blas_in(const std::string& root);
@@ -113,8 +117,23 @@ double json_number(const nlohmann::json& j, const std::string& key);
 /// The string under `key` in the object `j`; "" where it is missing or not a string.
 std::string json_string(const nlohmann::json& j, const std::string& key);
 
-/// Body of `shardlab bench ARGS`: prints the table; with --out PREFIX also writes PREFIX.json and PREFIX.md.
+/// What `shardlab bench` takes besides the run options.
+struct BenchFlags {
+  std::string section = "all";              ///< --section ddp|fsdp|reduce_scatter|hsdp|all
+  int repeat = 3;                           ///< --repeat: each figure is the best median of this many rounds
+  std::string out;                          ///< --out PREFIX for PREFIX.json / PREFIX.md ("" = print only)
+  bool no_torch = false;                    ///< --no-torch: no PyTorch peers
+  std::string python = "/usr/bin/python3";  ///< --python: Debian's python3-torch lives there
+  std::string torch_script;                 ///< --torch-script: tools/bench/torch_ddp.py in the source tree
+  std::string torch_root;                   ///< --torch-root: the trixie root with torch 2.6 (FSDP2's peer)
+};
+
+/// Adds bench's options to `cmd`, bound to `flags`; the run options it leaves to `cmd.remaining()`.
+void add_bench_options(CLI::App& cmd, BenchFlags& flags);
+
+/// Body of `shardlab bench`: prints the table; with --out PREFIX also writes PREFIX.json and PREFIX.md.
+/// `run_args`: run options (as for train) over the bench's defaults.
 /// @throws std::invalid_argument on a bad flag.
-int run_bench(const std::vector<std::string>& args, const std::string& self_exe);
+int run_bench(const BenchFlags& flags, const std::vector<std::string>& run_args, const std::string& self_exe);
 
 }  // namespace shardlab::cli

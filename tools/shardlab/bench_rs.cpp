@@ -34,18 +34,7 @@ constexpr int kCalls = 20;  // timed calls per size, algorithm and round
 
 }  // namespace
 
-int run_rs_probe(const std::vector<std::string>& args) {
-  std::string out;
-  int rounds = 3;
-  for (size_t i = 0; i + 1 < args.size(); i += 2) {
-    if (args[i] == "--out")
-      out = args[i + 1];
-    else if (args[i] == "--repeat")
-      rounds = std::max(1, std::atoi(args[i + 1].c_str()));
-    else
-      throw std::invalid_argument("rs-probe: unknown option '" + args[i] + "'; expected --out or --repeat");
-  }
-  if (out.empty()) throw std::invalid_argument("rs-probe: expected --out FILE");
+int run_rs_probe(const std::string& out, int rounds) {
   GroupOptions group;
   group.timeout = std::chrono::milliseconds(120'000);
   auto comm = communicator_from_env(group);

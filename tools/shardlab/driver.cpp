@@ -195,6 +195,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.resumed_from = o.resume_dir;
   r.save_dir = o.save_dir;
   r.save_every = o.save_every;
+  r.config = o.config;
   r.reference_losses.assign(ref.losses.begin() + first_step, ref.losses.end());
   const int run = o.train.steps - first_step;  // steps this run trained
   at::Tensor ref_flat = at::cat([&] {
@@ -448,6 +449,7 @@ nlohmann::ordered_json report_to_json(const RunReport& r) {
                          {"bytes_per_step_theory", count(g.bytes_theory)}};
   j["peak_rss_bytes"] = counts(r.peak_rss_bytes);
   j["trace_dir"] = r.trace_dir;
+  j["config"] = r.config;
   return j;
 }
 

@@ -1,10 +1,16 @@
 #include "options.h"
 
+#include "../cli_validators.h"
+
 #include "strategies.h"
 
 #include "shardlab/common/device.h"
 #include "shardlab/common/model.h"
+#include "shardlab/common/model_factory.h"
+#include "shardlab/common/numbers.h"
 #include "shardlab/common/world.h"
+
+#include <CLI/CLI.hpp>
 
 #include <unistd.h>
 
@@ -12,40 +18,15 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
 namespace shardlab::cli {
 
 namespace fs = std::filesystem;
+
 namespace {
-
-long parse_int(const std::string& flag, const std::string& value, long min, long max) {
-  size_t used = 0;
-  long v = 0;
-  try {
-    v = std::stol(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != value.size() || value.empty() || v < min || v > max)
-    throw std::invalid_argument(flag + " expects an integer in [" + std::to_string(min) + ", " + std::to_string(max) +
-                                "]; got '" + value + "'");
-  return v;
-}
-
-double parse_double(const std::string& flag, const std::string& value) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != value.size() || !(v > 0))
-    throw std::invalid_argument(flag + " expects a positive number; got '" + value + "'");
-  return v;
-}
 
 // The floating dtypes FSDP's mixed precision takes ("" is not among them: leave the flag out instead).
 const std::vector<std::string>& dtype_names() {
@@ -53,143 +34,206 @@ const std::vector<std::string>& dtype_names() {
   return names;
 }
 
-std::string one_of(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed) {
-  if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return value;
-  std::string list;
-  for (const auto& a : allowed) list += (list.empty() ? "" : "|") + a;
-  throw std::invalid_argument(flag + " expects one of " + list + "; got '" + value + "'");
-}
-
 // The strategies --bucket-cap-kb auto applies to: those built on stage 02's BucketedDDP.
 bool has_buckets(const std::string& strategy) {
   return strategy == "bucketed_ddp" || strategy == "overlap_optimizer" || strategy.rfind("hook_", 0) == 0;
 }
 
-// "RxS" as Mesh::parse reads it, re-worded to name the flag, of at most 64 ranks (as --world-size).
-std::string mesh_flag(const std::string& flag, const std::string& value) {
-  int64_t ranks = 0;
-  try {
-    const auto [replicas, shards] = Mesh::parse(value);
-    ranks = int64_t{replicas} * shards;
-  } catch (const std::invalid_argument&) {
-    throw std::invalid_argument(flag + " expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '" + value +
-                                "'");
-  }
-  if (ranks > 64)
-    throw std::invalid_argument(flag + " expects at most 64 ranks (R x S), as --world-size; got '" + value + "', " +
-                                std::to_string(ranks) + " ranks");
-  return value;
+// "RxS" as Mesh::parse reads it, of at most 64 ranks (as --world-size).
+CLI::Validator mesh_shape_of() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        int64_t ranks = 0;
+        try {
+          const auto [replicas, shards] = Mesh::parse(v);
+          ranks = int64_t{replicas} * shards;
+        } catch (const std::invalid_argument&) {
+          return "expects replicas x shards as RxS with R, S >= 1 (e.g. 2x2); got '" + v + "'";
+        }
+        if (ranks > 64)
+          return "expects at most 64 ranks (R x S), as --world-size; got '" + v + "', " + std::to_string(ranks) +
+                 " ranks";
+        return "";
+      },
+      "RxS");
 }
 
-bool given(const std::vector<std::string>& args, const char* flag) {
-  return std::find(args.begin(), args.end(), flag) != args.end();
+CLI::Validator a_device() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        try {
+          v = parse_device(v).str();
+        } catch (const std::invalid_argument& e) {
+          return e.what();
+        }
+        return "";
+      },
+      "cpu|cuda|cuda:N");
 }
+
+bool on_off(const std::string& v) { return v == "on" || v == "true"; }
 
 }  // namespace
 
-RunOptions parse_options(const std::vector<std::string>& args, bool allow_strategy) {
+RunOptions default_run_options() {
   RunOptions o;
   o.train.model = "mlp";
   o.train.steps = 10;
   o.train.global_batch = 16;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    if (flag.rfind("--", 0) != 0)
-      throw std::invalid_argument("unexpected argument '" + flag + "'; flags start with --");
-    if (i + 1 >= args.size()) throw std::invalid_argument(flag + " expects a value; got nothing");
-    const std::string& v = args[++i];
-    if (flag == "--strategy" && allow_strategy)
-      o.strategy = one_of(flag, v, strategy_names());
-    else if (flag == "--world-size")
-      o.world_size = static_cast<int>(parse_int(flag, v, 1, 64));
-    else if (flag == "--model")
-      o.train.model = one_of(flag, v, model_names());
-    else if (flag == "--steps")
-      o.train.steps = static_cast<int>(parse_int(flag, v, 1, 100000));
-    else if (flag == "--global-batch")
-      o.train.global_batch = parse_int(flag, v, 1, 1 << 20);
-    else if (flag == "--seed")
-      o.train.seed = static_cast<uint64_t>(parse_int(flag, v, 0, 1L << 40));
-    else if (flag == "--optimizer")
-      o.train.optimizer = one_of(flag, v, {"sgd", "adamw"});
-    else if (flag == "--lr")
-      o.train.lr = parse_double(flag, v);
-    else if (flag == "--micro-batches")
-      o.train.micro_batches = static_cast<int>(parse_int(flag, v, 1, 1024));
-    else if (flag == "--clip-norm") {
-      o.train.clip_norm = parse_double(flag, v);
-      if (std::isinf(o.train.clip_norm))
-        throw std::invalid_argument("--clip-norm expects a finite positive number; got '" + v + "'");
-    } else if (flag == "--clip-norm-type")
-      o.train.clip_p = one_of(flag, v, {"2", "inf"}) == "inf" ? std::numeric_limits<double>::infinity() : 2.0;
-    else if (flag == "--json")
-      o.json = v;
-    else if (flag == "--save")
-      o.save_dir = v;
-    else if (flag == "--save-every")
-      o.save_every = static_cast<int>(parse_int(flag, v, 1, 100000));
-    else if (flag == "--resume")
-      o.resume_dir = v;
-    else if (flag == "--timeout")
-      o.timeout_s = static_cast<int>(parse_int(flag, v, 1, 86400));
-    else if (flag == "--result-dir")
-      o.result_dir = v;
-    else if (flag == "--bucket-cap-kb" && v == "auto")
-      o.strategy_options.auto_caps = true;
-    else if (flag == "--bucket-cap-kb")
-      o.strategy_options.bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
-    else if (flag == "--first-bucket-kb")
-      o.strategy_options.first_bucket_cap_bytes = parse_int(flag, v, 1, 1 << 22) * 1024;
-    else if (flag == "--trace")
-      o.trace_dir = v;
-    else if (flag == "--threads")
-      o.threads = static_cast<int>(parse_int(flag, v, 0, 256));
-    else if (flag == "--device")
-      o.train.device = parse_device(v).str();
-    else if (flag == "--backend")
-      o.backend = one_of(flag, v, {"gloo", "nccl"});
-    else if (flag == "--comm-yield")
-      o.comm_yield = one_of(flag, v, {"on", "off"}) == "on";
-    else if (flag == "--cpu-allocator")
-      o.cpu_allocator = one_of(flag, v, {"system", "pool"});
-    else if (flag == "--layers")
-      o.train.layers = parse_int(flag, v, 1, 64);
-    else if (flag == "--dim")
-      o.train.dim = parse_int(flag, v, 2, 4096);
-    else if (flag == "--reshard-after-forward")
-      o.strategy_options.reshard_after_forward = one_of(flag, v, {"true", "false"}) == "true";
-    else if (flag == "--param-dtype")
-      o.strategy_options.param_dtype = one_of(flag, v, dtype_names());
-    else if (flag == "--reduce-dtype")
-      o.strategy_options.reduce_dtype = one_of(flag, v, dtype_names());
-    else if (flag == "--prefetch-depth")
-      o.strategy_options.prefetch_depth = static_cast<int>(parse_int(flag, v, 0, 64));
-    else if (flag == "--prefetch-limit")
-      o.strategy_options.prefetch_limit = static_cast<int>(parse_int(flag, v, 0, 64));
-    else if (flag == "--pool-buffers")
-      o.strategy_options.pool_buffers = one_of(flag, v, {"true", "false"}) == "true";
-    else if (flag == "--mesh")
-      o.strategy_options.mesh = mesh_flag(flag, v);
-    else if (flag == "--defer-all-reduce")
-      o.strategy_options.defer_all_reduce = one_of(flag, v, {"true", "false"}) == "true";
-    else
-      throw std::invalid_argument("unknown flag '" + flag + "'; see shardlab --help");
-  }
+  return o;
+}
+
+void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker) {
+  // A flag given twice: the last one, as before CLI11 (and as argparse); --bucket-cap-kb keeps every value.
+  cmd.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  StrategyOptions& s = o.strategy_options;
+  if (strategy)
+    cmd.add_option("--strategy", o.strategy, "how the ranks train (Strategies, below)")
+        ->check(one_of(strategy_names()))
+        ->type_name("S");
+  cmd.add_option("--world-size", o.world_size, "ranks (processes)")->transform(integer_in(1, 64))->type_name("N");
+  cmd.add_option("--model", o.train.model, "the model")->check(one_of(model_names()))->type_name("M");
+  cmd.add_option("--layers", o.train.layers, "transformer blocks of tiny_gpt")->transform(integer_in(1, 64));
+  cmd.add_option("--dim", o.train.dim, "width of tiny_gpt (even)")->transform(integer_in(2, 4096));
+  cmd.add_option("--steps", o.train.steps, "the step to train up to")->transform(integer_in(1, 100000))->type_name("K");
+  cmd.add_option("--global-batch", o.train.global_batch, "examples per step over all ranks")
+      ->transform(integer_in(1, 1 << 20))
+      ->type_name("B");
+  cmd.add_option("--seed", o.train.seed, "model and data seed")->transform(integer_in(0, int64_t{1} << 40));
+  cmd.add_option("--optimizer", o.train.optimizer, "the optimizer")->check(one_of({"sgd", "adamw"}));
+  cmd.add_option("--lr", o.train.lr, "learning rate")->check(positive_number());
+  cmd.add_option("--micro-batches", o.train.micro_batches, "gradient accumulation per step")
+      ->transform(integer_in(1, 1024));
+  cmd.add_option("--clip-norm", o.train.clip_norm, "clip the gradients' global norm to X (not with overlap_optimizer)")
+      ->check(positive_number())
+      ->default_str("");  // off: not written by --write-config (0 is no bound)
+  cmd.add_option_function<std::string>(
+         "--clip-norm-type",
+         [&o](const std::string& v) { o.train.clip_p = v == "inf" ? std::numeric_limits<double>::infinity() : 2.0; },
+         "the norm --clip-norm bounds")
+      ->check(one_of({"2", "inf"}))
+      ->default_str("2");
+  // The checkpoints are train's: compare and bench keep the flags only to refuse them in words (check_run_options),
+  // and do not show them.
+  const std::string checkpoints_group = strategy ? "Options" : "";
+  cmd.add_option("--save", o.save_dir,
+                 "a checkpoint in DIR after the last step (model, optimizer, step; any world size and strategy "
+                 "loads it; docs/checkpoints.md)")
+      ->type_name("DIR")
+      ->group(checkpoints_group);
+  cmd.add_option("--save-every", o.save_every, "also after every K-th step, replacing it atomically")
+      ->transform(integer_in(1, 100000))
+      ->default_str("")  // off: only after the last step
+      ->group(checkpoints_group);
+  cmd.add_option("--resume", o.resume_dir,
+                 "start from the checkpoint in DIR, at its step, up to --steps (or from a .safetensors file of "
+                 "weights: step 0, a fresh optimizer)")
+      ->type_name("DIR")
+      ->group(checkpoints_group);
+  cmd.add_option_function<std::vector<std::string>>(
+         "--bucket-cap-kb",
+         [&s](const std::vector<std::string>& values) {
+           for (const auto& v : values) {
+             if (v == "auto")
+               s.auto_caps = true;
+             else
+               s.bucket_cap_bytes = *parse_integer(v, 1, 1 << 22) * 1024;
+           }
+         },
+         "bucket cap after the first bucket, in KiB (25600); auto: both caps chosen after step 2 from measured "
+         "all-reduce costs and gradient-ready times, starting from the caps given before it (--bucket-cap-kb 32 "
+         "--bucket-cap-kb auto)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            if (v == "auto" || parse_integer(v, 1, 1 << 22)) return "";
+            return "expects an integer in [1, 4194304] or auto; got '" + v + "'";
+          },
+          "N|auto"))
+      ->type_name("N|auto")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  cmd.add_option_function<int64_t>(
+         "--first-bucket-kb", [&s](int64_t kb) { s.first_bucket_cap_bytes = kb * 1024; },
+         "cap of the first bucket, in KiB")
+      ->transform(integer_in(1, 1 << 22))
+      ->default_str("1024");
+  cmd.add_option_function<std::string>(
+         "--reshard-after-forward", [&s](const std::string& v) { s.reshard_after_forward = v == "true"; },
+         "FSDP: free units after forward")
+      ->check(one_of({"true", "false"}))
+      ->default_str("true");
+  cmd.add_option("--param-dtype", s.param_dtype, "FSDP: gather/compute dtype (default: the parameters')")
+      ->check(one_of(dtype_names()));
+  cmd.add_option("--reduce-dtype", s.reduce_dtype, "FSDP: reduce-scatter dtype (default: the param dtype)")
+      ->check(one_of(dtype_names()));
+  cmd.add_option("--prefetch-depth", s.prefetch_depth,
+                 "fsdp_prefetch, hsdp: units whose all-gather is issued ahead, in forward and in backward (0: none)")
+      ->transform(integer_in(0, 64));
+  cmd.add_option("--prefetch-limit", s.prefetch_limit, "fsdp_prefetch, hsdp: most units ahead at once (0: the depth)")
+      ->transform(integer_in(0, 64));
+  cmd.add_option("--mesh", s.mesh,
+                 "hsdp: R replicas of S shards (sets the world size to R*S; default 2x(N/2) for an even world size "
+                 "N >= 4, else 1xN)")
+      ->check(mesh_shape_of());
+  cmd.add_option_function<std::string>(
+         "--defer-all-reduce", [&s](const std::string& v) { s.defer_all_reduce = v == "true"; },
+         "hsdp with --micro-batches > 1: reduce-scatter every micro-batch and all-reduce across replicas once "
+         "(false: no_sync)")
+      ->check(one_of({"true", "false"}))
+      ->default_str("false");
+  cmd.add_option("--cpu-allocator", o.cpu_allocator, "every CPU tensor of 1 MiB or more from a reusing pool")
+      ->check(one_of({"system", "pool"}));
+  cmd.add_option_function<std::string>(
+         "--pool-buffers", [&s](const std::string& v) { s.pool_buffers = v == "true"; },
+         "FSDP: reuse the units' buffers (false: malloc/free each time)")
+      ->check(one_of({"true", "false"}))
+      ->default_str("true");
+  cmd.add_option("--threads", o.threads,
+                 "compute threads per rank, libtorch's and OpenBLAS's (0: OMP_NUM_THREADS, which the launcher sets "
+                 "to 1 when unset)")
+      ->transform(integer_in(0, 256));
+  cmd.add_option("--device", o.train.device, "cuda = GPU LOCAL_RANK")->transform(a_device());
+  cmd.add_option("--backend", o.backend, "nccl needs --device cuda")->check(one_of({"gloo", "nccl"}));
+  cmd.add_option_function<std::string>(
+         "--comm-yield", [&o](const std::string& v) { o.comm_yield = on_off(v); },
+         "backward yields its core at each gradient while a collective is in flight, so Gloo's threads move it "
+         "(Note [Yielding to communication])")
+      ->check(one_of({"on", "off"}))
+      ->default_str("on");
+  cmd.add_option("--trace", o.trace_dir, "write DIR/rankR.trace.json (Chrome trace: chrome://tracing, ui.perfetto.dev)")
+      ->type_name("DIR");
+  cmd.add_option("--json", o.json, "also write the report as JSON")->type_name("FILE");
+  cmd.add_option("--timeout", o.timeout_s, "kill the run if it takes longer, in seconds")
+      ->transform(integer_in(1, 86400));
+  if (worker) cmd.add_option("--result-dir", o.result_dir, "where this rank writes its results")->required();
+}
+
+std::set<std::string> given_flags(const CLI::App& cmd) {
+  std::set<std::string> given;
+  for (const CLI::Option* opt : cmd.get_options())
+    if (opt->count() > 0 && !opt->get_lnames().empty()) given.insert("--" + opt->get_lnames().front());
+  return given;
+}
+
+RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, bool allow_strategy) {
+  const auto given = [&typed](const char* flag) { return typed.count(flag) > 0; };
+  // A mesh from --config gives way to a typed --world-size or --strategy (the flag wins).
+  if (!given("--mesh") && (given("--world-size") || (allow_strategy && o.strategy != "hsdp")))
+    o.strategy_options.mesh.clear();
   if (!o.strategy_options.mesh.empty()) {  // the mesh says how many ranks; --world-size may only agree with it
     const auto [replicas, shards] = Mesh::parse(o.strategy_options.mesh);
-    if (given(args, "--world-size") && o.world_size != replicas * shards)
+    if (given("--world-size") && o.world_size != replicas * shards)
       throw std::invalid_argument("--mesh " + o.strategy_options.mesh + " has " + std::to_string(replicas * shards) +
                                   " ranks; got --world-size " + std::to_string(o.world_size) +
                                   " (drop --world-size or make them agree)");
     o.world_size = replicas * shards;
   }
   for (const char* flag : {"--mesh", "--defer-all-reduce"}) {
-    if (allow_strategy && o.strategy != "hsdp" && given(args, flag))
+    if (allow_strategy && o.strategy != "hsdp" && given(flag))
       throw std::invalid_argument(std::string(flag) + " applies to strategy hsdp only; got strategy '" + o.strategy +
                                   "'");
   }
   const int world = o.strategy == "single" ? 1 : o.world_size;
-  if (o.strategy == "single" && allow_strategy && o.world_size != 1 && given(args, "--world-size"))
+  if (o.strategy == "single" && allow_strategy && o.world_size != 1 && given("--world-size"))
     throw std::invalid_argument("--strategy single runs on one rank; got --world-size " + std::to_string(o.world_size) +
                                 " (drop the flag or pass 1)");
   if (o.strategy == "single") o.world_size = 1;
@@ -218,21 +262,21 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       throw std::invalid_argument("--json expects a file in a directory it can write; got '" + o.json +
                                   "' (directory '" + dir.string() + "' is not writable)");
   }
-  if (o.strategy_options.auto_caps && allow_strategy && !has_buckets(o.strategy))
+  if (o.strategy_options.auto_caps && allow_strategy && !has_buckets(o.strategy) && given("--bucket-cap-kb"))
     throw std::invalid_argument(
         "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
         "hook_* strategies; got strategy '" +
         o.strategy + "', which has none");
-  if (allow_strategy && !clips(o.strategy) && given(args, "--clip-norm"))
+  if (allow_strategy && !clips(o.strategy) && o.train.clip_norm > 0)
     throw std::invalid_argument(
         "--clip-norm needs the whole gradient before any parameter steps; strategy "
         "overlap_optimizer steps each bucket's parameters inside backward, as its average "
         "lands (use bucketed_ddp)");
-  if (!allow_strategy && (given(args, "--save") || given(args, "--resume") || given(args, "--save-every")))
+  if (!allow_strategy && (!o.save_dir.empty() || !o.resume_dir.empty() || o.save_every > 0))
     throw std::invalid_argument(
         "--save, --save-every and --resume are options of shardlab train (compare runs every "
         "strategy, which would all write one checkpoint)");
-  if (given(args, "--save-every") && o.save_dir.empty())
+  if (o.save_every > 0 && o.save_dir.empty())
     throw std::invalid_argument("--save-every K saves every K steps into --save DIR; got it without --save");
   if (allow_strategy && !checkpoints(o.strategy) && (!o.save_dir.empty() || !o.resume_dir.empty()))
     throw std::invalid_argument(
@@ -247,23 +291,76 @@ RunOptions parse_options(const std::vector<std::string>& args, bool allow_strate
       throw std::invalid_argument(
           "--save expects a new or empty directory, or a checkpoint to replace; got '" + o.save_dir + "', which is " +
           (fs::is_directory(dir, ec) ? "a directory with other files (no index.json)" : "not a directory"));
+    if (fs::exists(parent, ec) && !fs::is_directory(parent, ec))
+      throw std::invalid_argument("--save expects a directory to make; got '" + o.save_dir + "' ('" + parent.string() +
+                                  "' is not a directory)");
     if (fs::is_directory(parent, ec) && access(parent.c_str(), W_OK) != 0)
       throw std::invalid_argument("--save expects a directory it can write beside; got '" + o.save_dir + "' ('" +
                                   parent.string() + "' is not writable)");
   }
-  if (!o.resume_dir.empty() && !fs::exists(o.resume_dir) && !fs::exists(o.resume_dir + ".shardlab-old"))
-    throw std::invalid_argument(
-        "--resume expects a checkpoint (a directory from --save, or a .safetensors file); "
-        "got '" +
-        o.resume_dir + "', which does not exist");
-  if (given(args, "--clip-norm-type") && !given(args, "--clip-norm"))
+  if (!o.resume_dir.empty()) {  // a checkpoint's directory (or the previous one, kept while a save replaced it)
+    std::error_code ec;
+    const fs::path path(o.resume_dir);
+    const bool kept = fs::exists(o.resume_dir + ".shardlab-old", ec);
+    const char* expected = "--resume expects a checkpoint (a directory from --save, or a .safetensors file); got '";
+    if (!fs::exists(path, ec) && !kept)
+      throw std::invalid_argument(expected + o.resume_dir + "', which does not exist");
+    if (fs::is_directory(path, ec) && !fs::exists(path / "index.json", ec) && !kept)
+      throw std::invalid_argument(expected + o.resume_dir + "', a directory without index.json");
+    if (fs::exists(path, ec) && !fs::is_directory(path, ec) && path.extension() != ".safetensors")
+      throw std::invalid_argument(expected + o.resume_dir + "', a file that is not .safetensors");
+  }
+  if (!o.trace_dir.empty()) {
+    std::error_code ec;
+    if (fs::exists(o.trace_dir, ec) && !fs::is_directory(o.trace_dir, ec))
+      throw std::invalid_argument("--trace expects a directory; got '" + o.trace_dir + "', which is a file");
+  }
+  if (given("--clip-norm-type") && !(o.train.clip_norm > 0))
     throw std::invalid_argument("--clip-norm-type chooses the norm --clip-norm bounds; got it without --clip-norm");
   for (const char* flag : {"--prefetch-depth", "--prefetch-limit"}) {
-    if (allow_strategy && !prefetches(o.strategy) && given(args, flag))
+    if (allow_strategy && !prefetches(o.strategy) && given(flag))
       throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategies fsdp_prefetch and hsdp; got " +
                                   "strategy '" + o.strategy + "'");
   }
   return o;
+}
+
+RunOptions parse_run_args(const std::vector<std::string>& args, RunOptions defaults, bool allow_strategy) {
+  CLI::App cmd{"", "shardlab"};
+  add_run_options(cmd, defaults, allow_strategy);
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes a vector last argument first
+  try {
+    cmd.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    throw std::invalid_argument(e.what());
+  }
+  return check_run_options(given_flags(cmd), defaults, allow_strategy);
+}
+
+std::string config_toml(const RunOptions& o) {
+  // to_args is complete by construction (a worker runs on it alone): every option in force, derived ones included
+  // (the world size a mesh sets). Parsed as train's command line, CLI11 writes exactly those options in its own
+  // TOML (a flag given twice, --bucket-cap-kb 32 --bucket-cap-kb auto, is an array), and reads it back.
+  std::vector<std::string> args = to_args(o);
+  const auto dir = std::find(args.begin(), args.end(), "--result-dir");  // the worker's, not the run's
+  if (dir != args.end()) args.erase(dir, dir + 2);
+  args.insert(args.end(), {"--timeout", std::to_string(o.timeout_s)});
+  args.insert(args.begin(), "train");
+  CLI::App app{"", "shardlab"};
+  RunOptions parsed = default_run_options();
+  add_run_options(*app.add_subcommand("train"), parsed, /*strategy=*/true);
+  std::reverse(args.begin(), args.end());  // CLI11 takes a vector last argument first
+  app.parse(args);
+  return app.config_to_str(/*default_also=*/false, /*write_description=*/false);
+}
+
+void check_config_writable(const RunOptions& o) {
+  const std::vector<std::string> args = to_args(o);
+  for (size_t i = 0; i + 1 < args.size(); i += 2)
+    if (args[i + 1].find_first_of("#\\\n\"'") != std::string::npos)
+      throw std::invalid_argument("--write-config cannot write " + args[i] + " '" + args[i + 1] +
+                                  "': a config file's value may not hold '#', '\\', a quote or a line break (CLI11 2.1 "
+                                  "reads them back wrongly); choose another");
 }
 
 std::vector<std::string> to_args(const RunOptions& o) {
@@ -328,7 +425,7 @@ std::vector<std::string> to_args(const RunOptions& o) {
     args.push_back(flag);
     args.push_back(value);
   }
-  // After the cap itself, which stays the cap auto starts from (parse_options reads the flags in order).
+  // After the cap itself, which stays the cap auto starts from (CLI11 keeps a repeated flag's values in order).
   if (o.strategy_options.auto_caps && has_buckets(o.strategy)) {
     args.push_back("--bucket-cap-kb");
     args.push_back("auto");
@@ -347,67 +444,6 @@ std::vector<std::string> to_args(const RunOptions& o) {
   if (o.save_every > 0) args.insert(args.end(), {"--save-every", std::to_string(o.save_every)});
   if (!o.resume_dir.empty()) args.insert(args.end(), {"--resume", o.resume_dir});
   return args;
-}
-
-std::string usage() {
-  std::string strategies;
-  for (const auto& s : strategy_names()) strategies += (strategies.empty() ? "" : "|") + s;
-  return "usage:\n"
-         "  shardlab train   --strategy " +
-         strategies +
-         " [options]   train on N local ranks, compare to one device\n"
-         "  shardlab compare [options]                                  every strategy side by side\n"
-         "  shardlab export  DIR FILE.safetensors                       a checkpoint (--save DIR) as one file\n"
-         "  shardlab bench   [options] [--out PREFIX] [--no-torch]      step time, traffic and overlap of every DDP\n"
-         "                                                              strategy beside PyTorch DDP "
-         "(PREFIX.json/.md);\n"
-         "                   --section ddp|fsdp|reduce_scatter|hsdp|all FSDP beside PyTorch FSDP2; the ring\n"
-         "                                                              reduce-scatter beside the all-reduce;\n"
-         "                                                              HSDP 2x2 beside FSDP and DDP at 4 ranks\n"
-         "options:\n"
-         "  --world-size N      ranks (processes)                      default 2\n"
-         "  --model M           mlp|tiny_gpt|edge                      default mlp\n"
-         "  --layers N          transformer blocks of tiny_gpt         default 4\n"
-         "  --dim D             width of tiny_gpt (even)               default 32\n"
-         "  --steps K           optimizer steps                        default 10\n"
-         "  --global-batch B    examples per step over all ranks       default 16\n"
-         "  --seed S            model and data seed                    default 1\n"
-         "  --optimizer O       sgd|adamw                              default sgd\n"
-         "  --lr X              learning rate                          default 0.05\n"
-         "  --micro-batches M   gradient accumulation per step         default 1\n"
-         "  --clip-norm X       clip the gradients' global norm to X   default off (not with overlap_optimizer)\n"
-         "  --clip-norm-type P  2|inf: the norm --clip-norm bounds     default 2\n"
-         "  --save DIR          train: a checkpoint in DIR after the last step (model, optimizer, step; any world\n"
-         "                      size and strategy loads it; docs/checkpoints.md)   default none\n"
-         "  --save-every K      train: also after every K-th step, replacing it atomically   default off\n"
-         "  --resume DIR        train: start from the checkpoint in DIR, at its step, up to --steps (or from a\n"
-         "                      .safetensors file of weights: step 0, a fresh optimizer)\n"
-         "  --bucket-cap-kb N|auto  bucket cap after the first bucket  default 25600 (25 MiB); auto: both caps\n"
-         "                      chosen after step 2 from measured all-reduce costs and gradient-ready times,\n"
-         "                      starting from the caps given before it (--bucket-cap-kb 32 --bucket-cap-kb auto)\n"
-         "  --first-bucket-kb N cap of the first bucket                default 1024 (1 MiB)\n"
-         "  --reshard-after-forward true|false  FSDP: free units after forward   default true\n"
-         "  --param-dtype T     FSDP: gather/compute dtype (float32|bfloat16|float16|float64)  default: the "
-         "parameters'\n"
-         "  --reduce-dtype T    FSDP: reduce-scatter dtype             default: the param dtype\n"
-         "  --prefetch-depth N  fsdp_prefetch, hsdp: units whose all-gather is issued ahead, in forward and\n"
-         "                      in backward (0: none)                  default 1\n"
-         "  --prefetch-limit K  fsdp_prefetch, hsdp: most units ahead at once (0: the depth)  default 0\n"
-         "  --mesh RxS          hsdp: R replicas of S shards (sets the world size to R*S)\n"
-         "                      default 2x(N/2) for an even world size N >= 4, else 1xN\n"
-         "  --defer-all-reduce true|false  hsdp with --micro-batches > 1: reduce-scatter every micro-batch and\n"
-         "                      all-reduce across replicas once (false: no_sync)  default false\n"
-         "  --cpu-allocator system|pool  every CPU tensor of 1 MiB or more from a reusing pool  default system\n"
-         "  --pool-buffers true|false  FSDP: reuse the units' buffers (false: malloc/free each time)  default true\n"
-         "  --threads N         compute threads per rank, libtorch's and OpenBLAS's (0: OMP_NUM_THREADS, which\n"
-         "                      the launcher sets to 1 when unset) default 0\n"
-         "  --device D          cpu|cuda|cuda:N; cuda = GPU LOCAL_RANK  default cpu\n"
-         "  --backend B         gloo|nccl (nccl: --device cuda)        default gloo\n"
-         "  --comm-yield on|off backward yields its core at each gradient while a collective is in flight, so\n"
-         "                      Gloo's threads move it (Note [Yielding to communication]) default on\n"
-         "  --trace DIR         write DIR/rankR.trace.json (Chrome trace: chrome://tracing, ui.perfetto.dev)\n"
-         "  --json FILE         also write the report as JSON\n"
-         "  --timeout SECONDS   kill the run if it takes longer        default 600\n";
 }
 
 }  // namespace shardlab::cli

@@ -3,6 +3,14 @@
 
 #include "shardlab/common/reference.h"
 
+#include <cstdint>
+
+namespace CLI {
+class App;
+class Option;
+}  // namespace CLI
+
+#include <set>
 #include <string>
 #include <vector>
 
@@ -25,12 +33,13 @@ struct StrategyOptions {
                                       ///< every micro-batch and all-reducing once, instead of no_sync
 };
 
-/// Everything one run needs; filled from flags by parse_options.
+/// Everything one run needs; filled from the command line by add_run_options and check_run_options.
 struct RunOptions {
   std::string strategy = "naive_ddp";    ///< see strategy_names()
   int world_size = 2;                    ///< ranks (processes)
   TrainConfig train;                     ///< model, optimizer, steps, batch, seed, micro-batches
   std::string json;                      ///< --json FILE: write the report there ("" = none)
+  std::string config;                    ///< train: every option in force, as --write-config writes it (TOML)
   std::string result_dir;                ///< worker only: where to write this rank's results
   int timeout_s = 600;                   ///< the launcher kills a job that runs longer
   StrategyOptions strategy_options;      ///< bucket caps
@@ -44,14 +53,43 @@ struct RunOptions {
   std::string resume_dir;                ///< --resume DIR: start from the checkpoint there, at its step
 };
 
-/// Parses `args` (without the subcommand). `allow_strategy` is false for compare (it runs them all).
-/// @throws std::invalid_argument naming the flag, what was expected and what came.
-RunOptions parse_options(const std::vector<std::string>& args, bool allow_strategy);
+/// The options of `shardlab train` before any flag: the mlp, 10 steps, a global batch of 16.
+RunOptions default_run_options();
 
-/// The flags as a worker command line (inverse of parse_options).
+/// Adds the run options to `cmd` (CLI11), bound to `o`, whose values now are the defaults --help shows and
+/// --write-config writes. `strategy`: with --strategy (train, worker; compare and bench run several). `worker`: with
+/// the hidden worker's --result-dir. Every value is checked by a validator that names the flag, what it expects and
+/// what came.
+void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker = false);
+
+/// The flags of `cmd` given so far (long names, "--steps"). Taken when the command line is parsed and before a
+/// --config file is read, they are the flags the user typed (train_typed in main.cpp, taken by train's
+/// parse_complete_callback).
+std::set<std::string> given_flags(const CLI::App& cmd);
+
+/// After parsing: the checks between flags, and of the paths, that no single flag's validator can make. `given`: the
+/// flags typed on the command line (given_flags); a value from --config is a default they may override, so a flag
+/// that does not apply is refused only when typed, and a value that cannot work is refused wherever it came from.
+/// Returns `o` completed (the world size from --mesh; 1 for single).
+/// @throws std::invalid_argument naming the flags, what was expected and what came.
+RunOptions check_run_options(const std::set<std::string>& given, RunOptions o, bool allow_strategy);
+
+/// Refuses a run that a config file could not hold: a string with '#', '\\', a quote or a line break (Debian 12's
+/// CLI11 2.1 cuts a value at '#', even in quotes, writes '\\' unescaped, and cannot quote a value holding both
+/// quotes). Called for --write-config, before training. The report's "config" is written anyway, as a record.
+/// @throws std::invalid_argument naming the flag and its value.
+void check_config_writable(const RunOptions& o);
+
+/// `args` (flags only) parsed over `defaults` and checked: each bench section's run options.
+/// @throws std::invalid_argument naming the flag, what was expected and what came.
+RunOptions parse_run_args(const std::vector<std::string>& args, RunOptions defaults, bool allow_strategy);
+
+/// The options as a worker command line (the worker reads it back to the same options: add_run_options, then
+/// check_run_options).
 std::vector<std::string> to_args(const RunOptions& o);
 
-/// Usage text for `shardlab --help`.
-std::string usage();
+/// Every option in force, as the TOML `shardlab train --config` reads (CLI11's: the keys of a `train` table):
+/// what --write-config writes and the report's "config".
+std::string config_toml(const RunOptions& o);
 
 }  // namespace shardlab::cli

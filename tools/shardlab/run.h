@@ -53,6 +53,7 @@ struct RunReport {
   int prefetch_depth = 0;               ///< fsdp_prefetch: --prefetch-depth (0 for every other strategy)
   int prefetch_limit = 0;               ///< fsdp_prefetch: the limit in force (0 for every other strategy)
   std::string trace_dir;                ///< where the Chrome traces went ("" = none)
+  std::string config;                   ///< train: every option in force, as --write-config writes it ("" otherwise)
   std::string backend;                  ///< "gloo", "nccl", or "none" (single device)
   /// --bucket-cap-kb auto (rank 0, empty otherwise): chosen first and later cap (bytes), alpha (ns), beta (ns per
   /// byte), modelled exposed ns with the caps before and with the chosen ones.

@@ -145,7 +145,7 @@ class WrappedRunner : public StepRunner {
         overlapped_(std::move(overlapped)),
         optimizer_(overlapped_ ? nullptr
                                : make_optimizer(c.optimizer, optimizer_parameters(*wrapper_, *model_), c.lr)) {
-    // parse_options refuses --clip-norm for a strategy that steps inside backward (clips())
+    // check_run_options refuses --clip-norm for a strategy that steps inside backward (clips())
     SHARDLAB_INTERNAL_ASSERT(c.clip_norm <= 0 || optimizer_ != nullptr, "--clip-norm with an overlapped optimizer");
   }
 
