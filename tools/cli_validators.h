@@ -8,6 +8,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,9 +20,8 @@
 
 namespace shardlab::cli {
 
-/// An integer in [lo, hi], read strictly and in decimal; give it to Option::transform, which keeps its rewrite
-/// (check would not) (parse_integer: no spaces, no '+', nothing after the
-/// digits; leading zeros are decimal).
+/// An integer in [lo, hi], read strictly (parse_integer: no spaces, no '+', nothing after the digits) and in decimal:
+/// the value is rewritten to the number, so give it to Option::transform, which keeps the rewrite (check does not).
 inline CLI::Validator integer_in(int64_t lo, int64_t hi) {
   const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   return CLI::Validator(
@@ -75,6 +76,25 @@ inline CLI::Validator existing(bool directory, const std::string& what) {
         return "";
       },
       directory ? "DIR" : "FILE");
+}
+
+/// A file to write: not a directory, in an existing directory this process may write into (the file itself need not
+/// exist). `what` says what it is ("a file to write"). Checked before the work that would write it, not after.
+inline CLI::Validator file_to_write(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& v) -> std::string {
+        std::error_code ec;
+        const std::filesystem::path file(v), dir = file.has_parent_path() ? file.parent_path() : ".";
+        if (v.empty() || std::filesystem::is_directory(file, ec))
+          return "expects " + what + "; got '" + v + "'" + (v.empty() ? "" : ", a directory");
+        if (!std::filesystem::is_directory(dir, ec))
+          return "expects " + what + " in an existing directory; got '" + v + "' (no directory '" + dir.string() + "')";
+        if (access(dir.c_str(), W_OK) != 0)
+          return "expects " + what + " in a directory it can write; got '" + v + "' ('" + dir.string() +
+                 "' is not writable)";
+        return "";
+      },
+      "FILE");
 }
 
 }  // namespace shardlab::cli

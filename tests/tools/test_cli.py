@@ -3,7 +3,10 @@
 
 No check reads a clock: a command that hangs is caught by the test's ctest TIMEOUT, and every command is printed
 before it runs, so the log names the one that hung."""
+import os
+import shutil
 import subprocess
+import tempfile
 import sys
 
 shardlab, launcher = sys.argv[1], sys.argv[2]
@@ -56,8 +59,8 @@ expect([shardlab, "train", "--steps"], 2, "--steps: 1 required")  # CLI11's word
 expect([shardlab, "train", "--device", "gpu"], 2, "unknown device 'gpu'; expected cpu, cuda or cuda:N")
 # --json is checked before any rank starts (no training is wasted on a path that cannot be written).
 expect([shardlab, "train", "--steps", "1", "--json", "/nonexistent-dir/run.json"], 2,
-       "--json expects a file in an existing directory; got '/nonexistent-dir/run.json'")
-expect([shardlab, "train", "--steps", "1", "--json", "/tmp"], 2, "--json expects a file to write; got '/tmp', a directory")
+       "--json: expects a file to write in an existing directory; got '/nonexistent-dir/run.json'")
+expect([shardlab, "train", "--steps", "1", "--json", "/tmp"], 2, "--json: expects a file to write; got '/tmp', a directory")
 expect([shardlab, "train", "--backend", "mpi"], 2, "--backend: expects one of gloo|nccl; got 'mpi'")
 expect([shardlab, "train", "--comm-yield", "maybe"], 2, "--comm-yield: expects one of on|off; got 'maybe'")
 expect([shardlab, "train", "--clip-norm", "-1"], 2, "--clip-norm: expects a finite positive number; got '-1'")
@@ -76,12 +79,19 @@ expect([shardlab, "train", "--save", "/etc"], 2,
        "--save expects a new or empty directory, or a checkpoint to replace; got '/etc'")
 expect([shardlab, "compare", "--save", "x"], 2, "--save, --save-every and --resume are options of shardlab train")
 expect([shardlab, "train", "--resume", "/nonexistent/ckpt"], 2, "--resume expects a checkpoint")
-expect([shardlab, "export", "/tmp"], 2, "FILE is required")  # CLI11's wording
+# A directory that looks like a checkpoint to the flag checks (it has index.json), so the next check is reached.
+fake_checkpoint = tempfile.mkdtemp()
+open(os.path.join(fake_checkpoint, "index.json"), "w").close()
+expect([shardlab, "export", fake_checkpoint], 2, "FILE is required")  # CLI11's wording
 expect([shardlab, "export", "/nonexistent/ckpt", "out.safetensors"], 2,
        "DIR: expects a checkpoint's directory (train --save DIR); got '/nonexistent/ckpt', which does not exist")
-expect([shardlab, "export", "/tmp", "/nonexistent-dir/out.safetensors"], 2,
+expect([shardlab, "export", fake_checkpoint, "/nonexistent-dir/out.safetensors"], 2,
        "FILE: expects a file to write in an existing directory; got '/nonexistent-dir/out.safetensors'")
-expect([shardlab, "export", "/tmp", "out.safetensors"], 1, "'/tmp' has no index.json")  # exists: not a checkpoint
+expect([shardlab, "export", "/tmp", "out.safetensors"], 2, "DIR: expects a checkpoint's directory (train --save DIR); "
+       "got '/tmp', a directory without index.json")
+# Past the flag checks, a bad checkpoint is a runtime error (exit 1) naming the file.
+expect([shardlab, "export", fake_checkpoint, os.path.join(fake_checkpoint, "out.safetensors")], 1,
+       "index.json' is not JSON")
 expect([shardlab, "bench", "--python", "/nonexistent/python3"], 2,
        "--python: expects the python3 with torch; got '/nonexistent/python3', which does not exist")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
@@ -105,7 +115,7 @@ expect([shardlab, "train", "--world-size", "3", "--world-size", "4", "--global-b
 expect([launcher, "-n", "1", "sh", "--", "-c", "true"], 2, "expected '--' followed by the program")
 expect([launcher, "-n", "1", "-n", "2", "--", "sh", "-c", "echo size $WORLD_SIZE"], 0, "size 2")
 expect([shardlab, "bench", "--repeat", "2", "--repeat", "0"], 2, "--repeat: expects an integer in [1, 20]; got '0'")
-expect([shardlab, "bench", "--out", "/nonexistent-dir/bench"], 2, "--out: expects PREFIX in an existing directory")
+expect([shardlab, "bench", "--out", "/nonexistent-dir/bench"], 2, "--out: expects a PREFIX to write PREFIX.md and PREFIX.json in an existing directory")
 expect([shardlab, "train", "--resume", "/tmp"], 2, "got '/tmp', a directory without index.json")
 expect([shardlab, "train", "--save", "/etc/passwd/x"], 2, "--save expects a directory to make")
 
@@ -195,4 +205,5 @@ def interrupt_stops_every_rank():
 
 
 interrupt_stops_every_rank()
+shutil.rmtree(fake_checkpoint, ignore_errors=True)
 sys.exit(1 if failures else 0)

@@ -8,7 +8,6 @@
 /// 127 if the program cannot be executed); 2 for bad command-line flags.
 
 #include "shardlab/common/launcher.h"
-#include "shardlab/common/numbers.h"
 
 #include "../cli_validators.h"
 

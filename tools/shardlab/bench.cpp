@@ -55,30 +55,17 @@ const std::vector<BenchRow> kRows{{"naive_ddp"},
 // round.
 const std::vector<std::pair<int, int>> kHandCaps{{4, 16}, {8, 32}, {16, 32}, {16, 64}, {32, 64}, {64, 128}, {128, 128}};
 
-struct BenchOptions {
-  RunOptions run;                                // the DDP section
-  FsdpBenchOptions fsdp;                         // the FSDP section
-  bool ddp_section = true, fsdp_section = true;  // --section ddp|fsdp|reduce_scatter|hsdp|all
-  bool rs_section = true, hsdp_section = true;
-  std::string out;                          // PREFIX for PREFIX.json / PREFIX.md ("" = print only)
-  std::string python = "/usr/bin/python3";  // Debian's python3-torch lives there
-  std::string torch_script = SHARDLAB_TORCH_DDP_SCRIPT;
-  bool torch = true;
-  int repeat = 3;  // each figure: best median of this many runs
+// The flags (section, peers, output) and each section's run.
+struct BenchOptions : BenchFlags {
+  RunOptions run;         // the DDP section
+  FsdpBenchOptions fsdp;  // the FSDP section
+  bool runs(const char* name) const { return section == name || section == "all"; }
 };
 
 BenchOptions bench_options(const BenchFlags& f, const std::vector<std::string>& run_args) {
   BenchOptions b;
-  b.out = f.out;
-  b.python = f.python;
-  b.torch_script = f.torch_script;
-  b.torch = !f.no_torch;
+  static_cast<BenchFlags&>(b) = f;
   b.fsdp.torch_root = f.torch_root;
-  b.repeat = f.repeat;
-  b.ddp_section = f.section == "ddp" || f.section == "all";
-  b.fsdp_section = f.section == "fsdp" || f.section == "all";
-  b.rs_section = f.section == "reduce_scatter" || f.section == "all";
-  b.hsdp_section = f.section == "hsdp" || f.section == "all";
   // The benchmark's defaults: the tiny GPT on 2 ranks, one thread each (2 ranks on 2 cores), 60 steps. Bucket
   // caps scaled to the model (111 KiB of gradients; PyTorch's 25 MiB would make one bucket that can only start
   // when backward is over): 16 KiB first, 32 KiB then, about 4 buckets. PyTorch DDP gets the same caps. The run
@@ -102,7 +89,7 @@ BenchOptions bench_options(const BenchFlags& f, const std::vector<std::string>& 
   b.fsdp.run = parse_run_args(run_args, fsdp, /*allow_strategy=*/false);
   b.fsdp.repeat = b.repeat;
   b.fsdp.scripts_dir = fs::path(b.torch_script).parent_path().string();  // beside torch_ddp.py (--torch-script)
-  b.fsdp.torch = b.torch;
+  b.fsdp.torch = !b.no_torch;
   return b;
 }
 
@@ -227,15 +214,8 @@ void add_bench_options(CLI::App& cmd, BenchFlags& f) {
   cmd.add_option("--repeat", f.repeat, "interleaved rounds; each figure is the best median")
       ->transform(integer_in(1, 20));
   cmd.add_option("--out", f.out, "also write PREFIX.md and PREFIX.json")
-      ->type_name("PREFIX")
-      ->check(CLI::Validator(
-          [](std::string& v) -> std::string {  // checked now, not after the whole benchmark
-            std::error_code ec;
-            const fs::path dir = fs::absolute(v, ec).parent_path();
-            if (!v.empty() && !ec && fs::is_directory(dir, ec) && !fs::is_directory(v, ec)) return "";
-            return "expects PREFIX in an existing directory (PREFIX.md and PREFIX.json are written); got '" + v + "'";
-          },
-          "PREFIX"));
+      ->check(file_to_write("a PREFIX to write PREFIX.md and PREFIX.json"))
+      ->type_name("PREFIX");
   cmd.add_flag("--no-torch", f.no_torch, "no PyTorch peers");
   cmd.add_option("--python", f.python, "the python3 with torch (Debian's python3-torch)")
       ->check(existing(false, "the python3 with torch"));
@@ -254,8 +234,8 @@ void add_bench_options(CLI::App& cmd, BenchFlags& f) {
 int run_bench(const BenchFlags& flags, const std::vector<std::string>& run_args, const std::string& self_exe) {
   const BenchOptions b = bench_options(flags, run_args);
   std::string ddp_md, ddp_json, fsdp_md, fsdp_json;
-  if (b.ddp_section) run_ddp_bench(b, self_exe, &ddp_md, &ddp_json);
-  if (b.fsdp_section) {
+  if (b.runs("ddp")) run_ddp_bench(b, self_exe, &ddp_md, &ddp_json);
+  if (b.runs("fsdp")) {
     const FsdpBenchResult f = run_fsdp_bench(b.fsdp, self_exe);
     std::cout << "\nshardlab bench, FSDP: " << f.heading << "\n\n" << f.markdown << "\n" << f.targets;
     fsdp_md =
@@ -267,7 +247,7 @@ int run_bench(const BenchFlags& flags, const std::vector<std::string>& run_args,
     fsdp_json = f.json;
   }
   std::string rs_md, rs_json;
-  if (b.rs_section) {
+  if (b.runs("reduce_scatter")) {
     const RsBenchResult r = run_rs_bench(b.fsdp.run, b.repeat, self_exe);
     std::cout << "\nshardlab bench, the rings (reduce-scatter, all-gather): " << r.heading << "\n\n"
               << r.markdown << "\n"
@@ -281,7 +261,7 @@ int run_bench(const BenchFlags& flags, const std::vector<std::string>& run_args,
     rs_json = r.json;
   }
   std::string hsdp_md, hsdp_json;
-  if (b.hsdp_section) {
+  if (b.runs("hsdp")) {
     const FsdpBenchResult h = run_hsdp_bench(b.fsdp, self_exe);
     std::cout << "\nshardlab bench, HSDP: " << h.heading << "\n\n" << h.markdown << "\n" << h.targets;
     hsdp_md = "## HSDP beside FSDP and DDP on 4 ranks, and beside PyTorch FSDP2's HSDP\n\n" + h.heading + ".\n\n" +
@@ -320,7 +300,7 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
   // machine hits every contender alike; each figure is the best median of the rounds.
   std::vector<RunReport> rows(kRows.size()), hand(kHandCaps.size());
   TorchResult torch;
-  if (!b.torch) torch.why = "skipped (--no-torch)";
+  if (b.no_torch) torch.why = "skipped (--no-torch)";
   bool torch_failed = false;
   for (int k = 0; k < b.repeat; ++k) {
     for (size_t i = 0; i < kRows.size(); ++i) {
@@ -342,7 +322,7 @@ void run_ddp_bench(const BenchOptions& b, const std::string& self_exe, std::stri
       RunReport r = run_strategy(each, self_exe);
       if (k == 0 || r.step_time_ms < hand[i].step_time_ms) hand[i] = r;
     }
-    if (b.torch && !torch_failed) {
+    if (!b.no_torch && !torch_failed) {
       std::fprintf(stderr, "pytorch_ddp  round %d/%d\n", k + 1, b.repeat);
       TorchResult t = run_torch(b);
       if (!t.ok) {

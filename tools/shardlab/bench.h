@@ -6,12 +6,12 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace CLI {
-class App;
-}
-
 #include <string>
 #include <vector>
+
+namespace CLI {
+class App;
+}  // namespace CLI
 
 namespace shardlab::cli {
 

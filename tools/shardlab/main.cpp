@@ -6,6 +6,8 @@
 //   shardlab export DIR model.safetensors
 // The command line is CLI11's: subcommands, --help for each, validators; a usage error exits with 2.
 #include "bench.h"
+
+#include "../cli_validators.h"
 #include "options.h"
 #include "run.h"
 #include "strategies.h"
@@ -92,9 +94,7 @@ int main(int argc, char** argv) {
   std::string write_config;
   train_cmd->add_option("--write-config", write_config, "write every option in force to FILE (TOML) and train")
       ->configurable(false)
-      ->type_name("FILE")
-      ->check(
-          CLI::Validator([](std::string& v) { return v.empty() ? "expects a file to write; got ''" : ""; }, "FILE"));
+      ->check(file_to_write("a file to write"));
   train_cmd->footer("Strategies:" + strategy_list() + "\n\n--config FILE (shardlab --help): " + config_help);
 
   RunOptions compare_o = default_run_options();
@@ -111,23 +111,15 @@ int main(int argc, char** argv) {
   export_cmd->add_option("DIR", export_dir, "the checkpoint's directory (train --save DIR)")
       ->required()
       ->check(CLI::Validator(
-          [](std::string& v) -> std::string {  // or the previous checkpoint, kept while a save replaced it
-            return std::filesystem::exists(v) || std::filesystem::exists(v + ".shardlab-old")
-                       ? ""
-                       : "expects a checkpoint's directory (train --save DIR); got '" + v + "', which does not exist";
+          [](std::string& v) -> std::string {
+            const std::string problem = checkpoint_problem(v, /*weights_file=*/false);
+            return problem.empty() ? ""
+                                   : "expects a checkpoint's directory (train --save DIR); got '" + v + "', " + problem;
           },
           "DIR"));
   export_cmd->add_option("FILE", export_to, "the safetensors file to write")
       ->required()
-      ->check(CLI::Validator(
-          [](std::string& v) -> std::string {
-            std::error_code ec;
-            const std::filesystem::path dir = std::filesystem::absolute(v, ec).parent_path();
-            return !v.empty() && !ec && std::filesystem::is_directory(dir, ec) && !std::filesystem::is_directory(v, ec)
-                       ? ""
-                       : "expects a file to write in an existing directory; got '" + v + "'";
-          },
-          "FILE"));
+      ->check(file_to_write("a file to write"));
 
   // One rank of a run: train launches them; on several machines a launcher per machine does (README).
   RunOptions worker_o = default_run_options();

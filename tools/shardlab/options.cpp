@@ -201,10 +201,20 @@ void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker) {
       ->default_str("on");
   cmd.add_option("--trace", o.trace_dir, "write DIR/rankR.trace.json (Chrome trace: chrome://tracing, ui.perfetto.dev)")
       ->type_name("DIR");
-  cmd.add_option("--json", o.json, "also write the report as JSON")->type_name("FILE");
+  cmd.add_option("--json", o.json, "also write the report as JSON")->check(file_to_write("a file to write"));
   cmd.add_option("--timeout", o.timeout_s, "kill the run if it takes longer, in seconds")
       ->transform(integer_in(1, 86400));
   if (worker) cmd.add_option("--result-dir", o.result_dir, "where this rank writes its results")->required();
+}
+
+std::string checkpoint_problem(const std::string& path, bool weights_file) {
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::exists(path + ".shardlab-old", ec)) return "";  // the previous checkpoint, kept while a save replaced it
+  if (!fs::exists(p, ec)) return "which does not exist";
+  if (fs::is_directory(p, ec)) return fs::exists(p / "index.json", ec) ? "" : "a directory without index.json";
+  if (!weights_file) return "a file, not a directory";
+  return p.extension() == ".safetensors" ? "" : "a file that is not .safetensors";
 }
 
 std::set<std::string> given_flags(const CLI::App& cmd) {
@@ -250,18 +260,6 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
     throw std::invalid_argument(
         "--global-batch " + std::to_string(o.train.global_batch) +
         " must divide by world size x micro-batches = " + std::to_string(world * o.train.micro_batches));
-  if (!o.json.empty()) {  // checked now, not after the whole training
-    const fs::path file(o.json), dir = file.has_parent_path() ? file.parent_path() : fs::path(".");
-    std::error_code ec;
-    if (fs::is_directory(file, ec))
-      throw std::invalid_argument("--json expects a file to write; got '" + o.json + "', a directory");
-    if (!fs::is_directory(dir, ec))
-      throw std::invalid_argument("--json expects a file in an existing directory; got '" + o.json +
-                                  "' (no directory '" + dir.string() + "')");
-    if (access(dir.c_str(), W_OK) != 0)
-      throw std::invalid_argument("--json expects a file in a directory it can write; got '" + o.json +
-                                  "' (directory '" + dir.string() + "' is not writable)");
-  }
   if (o.strategy_options.auto_caps && allow_strategy && !has_buckets(o.strategy) && given("--bucket-cap-kb"))
     throw std::invalid_argument(
         "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
@@ -298,17 +296,13 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
       throw std::invalid_argument("--save expects a directory it can write beside; got '" + o.save_dir + "' ('" +
                                   parent.string() + "' is not writable)");
   }
-  if (!o.resume_dir.empty()) {  // a checkpoint's directory (or the previous one, kept while a save replaced it)
-    std::error_code ec;
-    const fs::path path(o.resume_dir);
-    const bool kept = fs::exists(o.resume_dir + ".shardlab-old", ec);
-    const char* expected = "--resume expects a checkpoint (a directory from --save, or a .safetensors file); got '";
-    if (!fs::exists(path, ec) && !kept)
-      throw std::invalid_argument(expected + o.resume_dir + "', which does not exist");
-    if (fs::is_directory(path, ec) && !fs::exists(path / "index.json", ec) && !kept)
-      throw std::invalid_argument(expected + o.resume_dir + "', a directory without index.json");
-    if (fs::exists(path, ec) && !fs::is_directory(path, ec) && path.extension() != ".safetensors")
-      throw std::invalid_argument(expected + o.resume_dir + "', a file that is not .safetensors");
+  if (!o.resume_dir.empty()) {
+    const std::string problem = checkpoint_problem(o.resume_dir, /*weights_file=*/true);
+    if (!problem.empty())
+      throw std::invalid_argument(
+          "--resume expects a checkpoint (a directory from --save, or a .safetensors file); "
+          "got '" +
+          o.resume_dir + "', " + problem);
   }
   if (!o.trace_dir.empty()) {
     std::error_code ec;

@@ -4,15 +4,13 @@
 #include "shardlab/common/reference.h"
 
 #include <cstdint>
-
-namespace CLI {
-class App;
-class Option;
-}  // namespace CLI
-
 #include <set>
 #include <string>
 #include <vector>
+
+namespace CLI {
+class App;
+}  // namespace CLI
 
 namespace shardlab::cli {
 
@@ -61,6 +59,11 @@ RunOptions default_run_options();
 /// the hidden worker's --result-dir. Every value is checked by a validator that names the flag, what it expects and
 /// what came.
 void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker = false);
+
+/// Why `path` is no checkpoint to read, or "" when it is one: a directory with index.json (or the previous one, kept
+/// as PATH.shardlab-old while a save replaced it), or with `weights_file` a .safetensors file. The reason reads after
+/// "got 'PATH', ": "which does not exist", "a directory without index.json", ...
+std::string checkpoint_problem(const std::string& path, bool weights_file);
 
 /// The flags of `cmd` given so far (long names, "--steps"). Taken when the command line is parsed and before a
 /// --config file is read, they are the flags the user typed (train_typed in main.cpp, taken by train's
