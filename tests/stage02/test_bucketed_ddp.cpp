@@ -103,7 +103,7 @@ std::vector<EquivalenceCase> equivalence_cases() {
   }
   cases.push_back({"mlp", "sgd", 4, 3, 3, false});  // gradient accumulation with no_sync
   cases.push_back({"mlp", "adamw", 2, 2, 2, false});
-  // tiny GPT (SGD: see Note [AdamW and near-zero gradients] in tests/stage01) with many small buckets
+  // tiny GPT (SGD: see Note [Comparing with one device] in common/src/reference.cpp) with many small buckets
   cases.push_back({"tiny_gpt", "sgd", 2, 1, 0, false});
   cases.push_back({"tiny_gpt", "sgd", 4, 3, 0, false});
   cases.push_back({"tiny_gpt", "sgd", 3, 1, 1, false});

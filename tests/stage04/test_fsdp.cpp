@@ -86,7 +86,7 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
 }
 
 std::vector<Case> cases() {
-  // tiny GPT with SGD: see Note [AdamW and near-zero gradients] in tests/stage01.
+  // tiny GPT with SGD: see Note [Comparing with one device] in common/src/reference.cpp.
   return {{"tiny_gpt", "sgd", 2, 1, true}, {"tiny_gpt", "sgd", 3, 2, false}, {"tiny_gpt", "sgd", 4, 1, true},
           {"mlp", "sgd", 1, 1, true},      {"mlp", "adamw", 2, 1, true},     {"mlp", "adamw", 3, 3, true},
           {"mlp", "sgd", 4, 2, false},     {"edge", "sgd", 2, 1, true},      {"edge", "adamw", 3, 2, false},

@@ -18,7 +18,8 @@ errors = []
 REPORT_KEYS = [
     "strategy", "world_size", "model", "optimizer", "lr", "steps", "global_batch", "micro_batches", "clip_norm",
     "clip_norm_type", "seed", "device", "backend", "first_step", "resumed_from", "save_dir", "save_every", "losses",
-    "reference_losses", "max_param_diff", "collectives_per_step", "collectives_per_step_theory",
+    "reference_losses", "max_param_diff", "final_loss", "reference_final_loss", "adamw_param_bound",
+    "collectives_per_step", "collectives_per_step_theory",
     "setup_collectives", "bytes_per_step", "bytes_per_step_theory", "sent_bytes_per_step", "step_time_ms",
     "buckets", "comm_busy_ms_per_step", "exposed_comm_ms_per_step", "exposed_share_median", "comm_yield",
     "progress_yields_per_step", "layers", "reshard_after_forward", "prefetch_depth", "prefetch_limit", "dim",

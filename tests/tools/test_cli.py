@@ -2,27 +2,59 @@
 """Command-line tests of `shardlab` and `shardlab-run`: bad flags get a clear message and exit code 2.
 
 No check reads a clock: a command that hangs is caught by the test's ctest TIMEOUT, and every command is printed
-before it runs, so the log names the one that hung."""
+when it starts, so the log names the one that hung.
+
+Each command is a process that loads libtorch before it parses a flag (about 0.5 s of CPU here), and there are
+about 180 of them: they run as many at a time as there are cores (each is one thread), their verdicts printed in
+the order written. On 2 idle cores that is about 45 s instead of 90, and under a load of 2 about 90 instead of 180,
+well inside the TIMEOUT."""
+import concurrent.futures
 import os
 import shutil
 import subprocess
 import tempfile
 import sys
+import threading
 
 shardlab, launcher = sys.argv[1], sys.argv[2]
 failures = 0
+pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+pending = []  # (command, expected code, needle, future), in the order written
+settled = [0]  # commands checked so far
+
+
+print_lock = threading.Lock()  # whole lines: the pool's threads print too
+
+
+def say(*words):
+    with print_lock:
+        print(*words, flush=True)
+
+
+def run_one(cmd):
+    say("run ", " ".join(cmd[1:]))
+    return subprocess.run(cmd, capture_output=True, text=True)
 
 
 def expect(cmd, code, needle):
+    """Starts `cmd` in the pool; settle() checks that it exits with `code` and prints `needle`."""
+    pending.append((cmd, code, needle, pool.submit(run_one, cmd)))
+
+
+def settle():
+    """Waits for every command started so far and prints each verdict in the order written."""
     global failures
-    print("run ", " ".join(cmd[1:]), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    out = p.stdout + p.stderr
-    ok = p.returncode == code and needle in out
-    print(("ok  " if ok else "FAIL"), " ".join(cmd[1:]), "->", p.returncode, "|", out.strip().splitlines()[0] if out.strip() else "")
-    if not ok:
-        print("     expected exit", code, "and", repr(needle), "in:\n", out)
-        failures += 1
+    for cmd, code, needle, future in pending:
+        p = future.result()
+        out = p.stdout + p.stderr
+        ok = p.returncode == code and needle in out
+        say(("ok  " if ok else "FAIL"), " ".join(cmd[1:]), "->", p.returncode, "|",
+            out.strip().splitlines()[0] if out.strip() else "")
+        if not ok:
+            say("     expected exit", code, "and", repr(needle), "in:\n", out)
+            failures += 1
+    settled[0] += len(pending)
+    pending.clear()
 
 
 expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy: expects one of single|naive_ddp|bucketed_ddp|")
@@ -203,7 +235,10 @@ def interrupt_stops_every_rank():
         subprocess.run(["pkill", "-KILL", "-f", marker])
         failures += 1
 
+settle()  # the SIGINT test below waits for states of its own, with nothing else running beside it
+
 
 interrupt_stops_every_rank()
 shutil.rmtree(fake_checkpoint, ignore_errors=True)
+print(f"{settled[0] + 1} commands checked (the SIGINT test included), {failures} failed")
 sys.exit(1 if failures else 0)

@@ -245,7 +245,18 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     if (in.gcount() != mine.numel() * 8)
       throw std::runtime_error("rank " + std::to_string(rank) + " wrote parameters of another size than the model");
     r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
+    // The final parameters' loss on the next batch: what the last update did, seen where AdamW stays tight.
+    std::vector<at::Tensor> params;
+    int64_t offset = 0;
+    for (const auto& p : ref.params) {
+      params.push_back(mine.narrow(0, offset, p.numel()).view(p.sizes()).to(p.scalar_type()));
+      offset += p.numel();
+    }
+    const double loss = loss_at(o.train, params, o.train.steps);
+    if (rank == 0 || std::abs(loss - ref.final_loss) > std::abs(r.final_loss - ref.final_loss)) r.final_loss = loss;
   }
+  r.reference_final_loss = ref.final_loss;
+  r.adamw_param_bound = adamw_divergence_bound(o.train, o.train.steps);
   const Theory theory = strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;
@@ -282,6 +293,9 @@ void print_report(const RunReport& r) {
               << std::setw(15) << std::abs(r.losses[s] - r.reference_losses[s]) << "\n";
   std::cout << std::defaultfloat << std::setprecision(6)
             << "\n  max parameter difference vs single device: " << r.max_param_diff
+            << (r.adamw_param_bound > 0 ? " (AdamW's bound " + std::to_string(r.adamw_param_bound) + ")" : "")
+            << "\n  final parameters' loss on step " << r.train.steps << "'s batch: " << r.final_loss << " (reference "
+            << r.reference_final_loss << ")"
             << "\n  collectives per step: " << r.collectives_per_step << " (theory " << r.collectives_per_step_theory
             << (r.auto_caps.empty() ? "" : " with the caps before auto chose others") << "), plus "
             << r.setup_collectives
@@ -414,6 +428,9 @@ nlohmann::ordered_json report_to_json(const RunReport& r) {
   j["losses"] = r.losses;
   j["reference_losses"] = r.reference_losses;
   j["max_param_diff"] = r.max_param_diff;
+  j["final_loss"] = r.final_loss;
+  j["reference_final_loss"] = r.reference_final_loss;
+  j["adamw_param_bound"] = r.adamw_param_bound;
   j["collectives_per_step"] = count(r.collectives_per_step);
   j["collectives_per_step_theory"] = count(r.collectives_per_step_theory);
   j["setup_collectives"] = count(r.setup_collectives);

@@ -32,6 +32,10 @@ struct RunReport {
   std::string save_dir;                  ///< --save: where the checkpoint went ("" = none)
   int save_every = 0;                    ///< --save-every (0 = only after the last step)
   double max_param_diff = 0;             ///< over all ranks and parameters, against the reference
+  double final_loss = 0;                 ///< the final parameters' loss on the next step's batch (the rank farthest
+                                         ///< from the reference's), Note [Comparing with one device]
+  double reference_final_loss = 0;       ///< the reference's final parameters on the same batch
+  double adamw_param_bound = 0;          ///< AdamW: what max_param_diff may reach (adamw_divergence_bound); SGD: 0
   double collectives_per_step = 0;       ///< measured on rank 0, after construction
   double bytes_per_step = 0;             ///< payload bytes rank 0 handed to the backend per step
   double collectives_per_step_theory = 0;

@@ -3,28 +3,13 @@
 /// A pool of host buffers that are reused rather than given back to malloc: what the CUDA caching allocator does
 /// for FSDP on GPUs, for the CPU. See Note [Why FSDP pools its buffers] in buffer_pool.cpp.
 
+#include "shardlab/common/compat.h"  // SHARDLAB_ALLOCATE_CONST, SHARDLAB_ALLOCATOR_COPY_DATA
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
-#include <torch/version.h>
 
 #include <cstdint>
 #include <memory>
-
-// c10::Allocator::allocate is const before libtorch 2.3, non-const after, where copy_data became pure virtual.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-/// Expands to `const` where c10::Allocator::allocate is const (before libtorch 2.3), to nothing after.
-#define SHARDLAB_ALLOCATE_CONST
-/// The copy_data override a c10::Allocator needs from libtorch 2.3 on (nothing before).
-#define SHARDLAB_ALLOCATOR_COPY_DATA                                                           \
-  void copy_data(void* dest, const void* src, std::size_t count) const override { /* NOLINT */ \
-    default_copy_data(dest, src, count);                                                       \
-  }
-#else
-/// Expands to `const` where c10::Allocator::allocate is const (before libtorch 2.3), to nothing after.
-#define SHARDLAB_ALLOCATE_CONST const
-/// The copy_data override a c10::Allocator needs from libtorch 2.3 on (nothing before).
-#define SHARDLAB_ALLOCATOR_COPY_DATA
-#endif
 
 namespace shardlab {
 

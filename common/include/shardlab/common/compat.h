@@ -10,6 +10,7 @@
 ///  - 2.x's TCPStore wants libuv by default (Debian's 2.6 is built without it).
 ///  - 1.13's `Optimizer::zero_grad()` zeroes gradients in place; 2.x's sets them to None by default.
 ///  - What c10d's Gloo backend can do itself (2.x gained bfloat16 and the flat collectives).
+///  - c10::Allocator's interface (2.3 made `allocate` non-const and `copy_data` pure virtual), for BufferPool.
 
 #include <ATen/core/Tensor.h>
 #include <torch/version.h>
@@ -25,6 +26,22 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #else
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+// c10::Allocator::allocate is const before libtorch 2.3, non-const after, where copy_data became pure virtual.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+/// Expands to `const` where c10::Allocator::allocate is const (before libtorch 2.3), to nothing after.
+#define SHARDLAB_ALLOCATE_CONST
+/// The copy_data override a c10::Allocator needs from libtorch 2.3 on (nothing before).
+#define SHARDLAB_ALLOCATOR_COPY_DATA                                                           \
+  void copy_data(void* dest, const void* src, std::size_t count) const override { /* NOLINT */ \
+    default_copy_data(dest, src, count);                                                       \
+  }
+#else
+/// Expands to `const` where c10::Allocator::allocate is const (before libtorch 2.3), to nothing after.
+#define SHARDLAB_ALLOCATE_CONST const
+/// The copy_data override a c10::Allocator needs from libtorch 2.3 on (nothing before).
+#define SHARDLAB_ALLOCATOR_COPY_DATA
 #endif
 
 namespace torch::autograd {

@@ -49,11 +49,24 @@ struct ReferenceResult {
   std::vector<double> losses;      ///< loss of each step (over the global batch)
   std::vector<std::string> names;  ///< parameter names, registration order
   std::vector<at::Tensor> params;  ///< final parameter values (all, trainable or not)
+  double final_loss = 0.0;         ///< the final parameters' loss on the batch of step `config.steps` (no step taken)
 };
 
 /// Trains `config.model` on one device (`config.device`; "cuda" means cuda:0) for `config.steps` steps on the whole
 /// global batch of each step.
 ReferenceResult train_reference(const TrainConfig& config);
+
+/// The loss that `params` (every parameter of `config`'s model in registration order, as ReferenceResult::params
+/// holds them) give on the global batch of step `step`, on one device, without a step: the loss a run's last update
+/// leads to, comparable with ReferenceResult::final_loss (Note [Comparing with one device]).
+/// @throws std::invalid_argument when `params` does not match the model's parameters in count or shape.
+double loss_at(const TrainConfig& config, const std::vector<at::Tensor>& params, int step);
+
+/// The most that any two AdamW runs of `config` (make_optimizer's AdamW) from the same parameters can differ by, in
+/// any one element, after `steps` steps, whatever gradients each saw: 2 lr sum_t C_t, with C_t the largest update
+/// Adam's bias-corrected moments allow at step t (Note [Comparing with one device]). Returns 0 for SGD, whose
+/// parameters are compared tightly instead.
+double adamw_divergence_bound(const TrainConfig& config, int steps);
 
 /// Largest |a[i] - b[i]| over all elements of all tensors. @throws std::invalid_argument on count/shape mismatch.
 double max_abs_diff(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b);
