@@ -15,12 +15,18 @@
 
 namespace shardlab {
 
+namespace {
+
+// The AdamW of make_optimizer; adamw_divergence_bound reads its betas.
+torch::optim::AdamWOptions adamw_options(double lr) { return torch::optim::AdamWOptions(lr).weight_decay(0.01); }
+
+}  // namespace
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
                                                         double lr) {
   if (name == "sgd")
     return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(lr).momentum(0.9));
-  if (name == "adamw")
-    return std::make_unique<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  if (name == "adamw") return std::make_unique<torch::optim::AdamW>(std::move(params), adamw_options(lr));
   throw std::invalid_argument("unknown optimizer '" + name + "'; expected sgd or adamw");
 }
 
@@ -37,33 +43,36 @@ std::shared_ptr<Model> make_model(const TrainConfig& config, const c10::Device& 
 // Every stage's tests say that N ranks train exactly like one device on the union of their batches. In float32
 // "exactly" cannot mean bit for bit: one device sums a gradient over the whole batch in one matrix product, the ranks
 // over their slices and then across ranks, and the BLAS kernel the CPU picks (OPENBLAS_CORETYPE: Haswell on AVX2
-// machines, SkylakeX or Cooperlake on AVX-512 ones) decides the order inside each product. The gradients differ in
-// their last bits; what that does to the parameters depends on the optimizer.
+// machines, SkylakeX or Cooperlake on AVX-512 ones) and its threads decide the order inside each product. The
+// gradients differ in their last bits; what that does to the parameters depends on the optimizer.
 // - SGD (momentum 0.9) is linear in the gradient: a rounding difference of the gradient stays one of the parameters,
 //   scaled by lr. Parameters are compared tightly, |a - b| <= 1e-6 + 1e-5 |b|, under every kernel.
 // - AdamW divides by sqrt(v) + eps. An element whose gradient sums terms of ~1e-3 that cancel to ~eps (1e-8) moves by
-//   up to lr whatever its gradient's size, so a rounding difference changes its step by a sizeable part of lr
-//   (tiny GPT, 3 ranks, 3 steps, lr 1e-2: 1.5e-4 under Haswell's kernel, 2.5e-5 under SkylakeX's, 2.4e-7 under the
-//   host's Cooperlake; the element's gradient was 2e-8). That element then changes the next forward for all the
-//   others, and Adam turns their small relative gradient changes into absolute ones of lr's order: elements whose
-//   gradient never came near zero end up to 8 times outside the tight bound after 6 steps, and so do two one-device
-//   runs that only add the same slices' gradients in another order. So for a model with near-zero gradients no
-//   elementwise bound much tighter than AdamW's own holds. The loss stays tight: the elements that diverge are those
-//   whose gradient is ~0, which move the loss only at second order (same runs: losses within 2.2e-7 relative). So an
-//   AdamW run is compared by
+//   up to lr whatever its gradient's size, so a rounding difference changes its step by a sizeable part of lr. The
+//   tiny GPT, AdamW at lr 1e-2, FSDP at 2 ranks for 2 steps then bucketed DDP at 3 for 1, against one device: 1.5e-4
+//   under Haswell's kernel, 3.9e-4 under SkylakeX's, 1.2e-3 under Sandybridge's, 1.6e-7 under this machine's own
+//   Cooperlake one. That element then changes the next forward for all the others, and Adam turns their small
+//   relative gradient changes into absolute ones of lr's order: in a PyTorch copy of the same model (3 slices,
+//   6 steps, Haswell), elements whose gradient never came below 1e-5 still ended up to 8 times outside the tight
+//   bound, and so did two one-device runs that only add the same slices' gradients in another order. So for a model
+//   with near-zero gradients no elementwise bound much tighter than AdamW's own holds. The loss stays tight: the
+//   elements that diverge are those whose gradient is ~0, which move the loss only at second order (same runs:
+//   losses within 2.2e-7 relative; the tool's run above: 2.9e-7). So an AdamW run is compared by
 //   1. its losses: every step's, and the final parameters' on the next batch (loss_at beside
 //      ReferenceResult::final_loss), which sees the last update and the optimizer state it used, within 1e-5
-//      relative. A gradient left unsynchronized, a lost moment or a skipped step moves it by orders of magnitude more
-//      (tests/tools/test_checkpoints.py breaks a resume to show it);
+//      relative. A resume that lost the first moments moves it by 7.9e-3 relative (tests/tools/test_checkpoints.py
+//      zeroes them in a copy of a checkpoint and watches the check fail), one that lost the whole state by 4.7e-2;
 //   2. its parameters within adamw_divergence_bound, AdamW's own limit: |m_t| <= C_t sqrt(v_t) by Cauchy-Schwarz
 //      over the bias-corrected moments' weights, so one step moves an element by at most lr C_t beside the decay
 //      (which only shrinks a difference), and two runs from the same start differ by at most 2 lr sum_t C_t
-//      (C_1 = 1; 0.060 for lr 1e-2 over 3 steps). A loose bound, but a derived one.
+//      (C_1 = 1; 0.060 for lr 1e-2 over 3 steps). It holds for any gradients, so it catches only a run that leaves
+//      AdamW's steps (another lr, a step taken twice); the losses carry the check.
 //   The C++ equivalence tests train the MLP and edge models with AdamW, whose gradients have no such entries in the
-//   steps they run, and compare them tightly under every kernel; the tiny GPT trains with SGD there.
+//   steps they run (their largest difference under every kernel swept: 1.2e-7), and compare them tightly; the tiny
+//   GPT trains with SGD there.
 // - A run resumed from a checkpoint at the same strategy and world size does the same arithmetic in the same order
 //   as the run that was not stopped: compared bit for bit, whatever the optimizer.
-// `tools/blas-sweep` runs the suite under each kernel and the reference BLAS.
+// tools/blas-sweep runs the suite under each kernel and the reference BLAS; CI runs these tests under a second one.
 
 ReferenceResult train_reference(const TrainConfig& config) {
   const c10::Device device = device_of(config);
@@ -108,7 +117,7 @@ double loss_at(const TrainConfig& config, const std::vector<at::Tensor>& params,
 
 double adamw_divergence_bound(const TrainConfig& config, int steps) {
   if (config.optimizer != "adamw") return 0.0;
-  const torch::optim::AdamWOptions options(config.lr);  // make_optimizer's betas
+  const torch::optim::AdamWOptions options = adamw_options(config.lr);
   const double b1 = std::get<0>(options.betas()), b2 = std::get<1>(options.betas());
   double bound = 0.0;
   for (int t = 1; t <= steps; ++t) {

@@ -79,12 +79,14 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
 }
 
 // World size 1 on NCCL (one GPU can host only one NCCL rank): the same training, CUDA tensors, NCCL collectives.
+// SGD, compared tightly: two micro-batches sum the gradients in another order than the reference's one batch, and
+// the tiny GPT's near-zero gradients make AdamW's parameters drift (Note [Comparing with one device]).
 TEST(NeedsAGpu, NaiveDdpOnNcclWorldOneMatchesSingleDevice) {
   if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
   TrainConfig c;
   c.model = "tiny_gpt";
-  c.optimizer = "adamw";
-  c.lr = 1e-2;
+  c.optimizer = "sgd";
+  c.lr = 0.05;
   c.steps = 4;
   c.global_batch = 8;
   c.micro_batches = 2;

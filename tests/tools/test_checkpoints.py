@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checkpoints through the tool, as real processes (issue 20):
-  1. `shardlab train --save` at world size 2 (FSDP), `--resume` at world size 2 (FSDP) is the run that was not
-     stopped, bit for bit, and at world size 3 (bucketed DDP) continues as the single-device run; `shardlab export` writes one safetensors file; the reader of docs/checkpoints.md (numpy
+  1. `shardlab train --save` at world size 2 (FSDP); `--resume` at world size 2 (FSDP) is the run that was not
+     stopped, bit for bit; at world size 3 (bucketed DDP) it continues as the single-device run (AdamW: by its
+     losses, Note [Comparing with one device]), and a copy that lost its first moments fails that; `shardlab export` writes one safetensors file; the reader of docs/checkpoints.md (numpy
      only, run from the document itself) reads both, and Hugging Face's reader where it is installed.
   2. PyTorch, both ways (where python3 has torch): the exported weights load into the bench's PyTorch tiny GPT
      (tools/bench/torch_ddp.py) and give the loss shardlab reported on the same batch; PyTorch's weights, saved as
@@ -16,6 +17,7 @@ import os
 import queue
 import random
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -75,6 +78,30 @@ def write_safetensors(path, tensors, metadata=None):  # what torch's and numpy's
         f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
+def zero_first_moments(src, dst):
+    """Copies checkpoint `src` to `dst` with every AdamW first moment (`optim.<name>.exp_avg`) zero and the index's
+    CRC-32s of those pieces recomputed. Returns how many tensors it zeroed."""
+    shutil.copytree(src, dst)
+    index = json.load(open(os.path.join(dst, "index.json")))
+    crcs, zeroed = {}, 0
+    for name in index["files"]:
+        path = os.path.join(dst, name)
+        raw = bytearray(open(path, "rb").read())
+        n = struct.unpack("<Q", raw[:8])[0]
+        for tensor, entry in json.loads(raw[8:8 + n]).items():
+            if tensor.endswith(".exp_avg"):
+                begin, end = entry["data_offsets"]
+                raw[8 + n + begin:8 + n + end] = bytes(end - begin)
+                crcs[(name, tensor)] = zlib.crc32(bytes(end - begin))
+                zeroed += 1
+        open(path, "wb").write(raw)
+    for tensor, saved in index["tensors"].items():
+        for piece in saved["pieces"]:
+            piece["crc32"] = crcs.get((piece["file"], tensor), piece["crc32"])
+    json.dump(index, open(os.path.join(dst, "index.json"), "w"))
+    return zeroed
+
+
 with tempfile.TemporaryDirectory() as tmp:
     ckpt = os.path.join(tmp, "ckpt")
     common = ["--model", "tiny_gpt", "--global-batch", "12", "--optimizer", "adamw", "--lr", "0.01"]
@@ -108,6 +135,15 @@ with tempfile.TemporaryDirectory() as tmp:
     check(0 < resumed["adamw_param_bound"] and resumed["max_param_diff"] <= resumed["adamw_param_bound"],
           f"and the parameters within AdamW's bound: max |diff| {resumed['max_param_diff']:.3g} <= "
           f"{resumed['adamw_param_bound']:.3g}")
+    # The same check can fail: a copy of the checkpoint whose AdamW first moments are zero (their CRC-32s made
+    # right, so the load takes it), resumed the same way, is a resume that lost them.
+    lost = os.path.join(tmp, "lost-moments")
+    zeroed = zero_first_moments(ckpt, lost)
+    broken = train(tmp, "broken", "--strategy", "bucketed_ddp", "--world-size", "3", "--steps", "3", *common,
+                   "--resume", lost)
+    rel = abs(broken["final_loss"] - broken["reference_final_loss"]) / abs(broken["reference_final_loss"])
+    check(zeroed > 0 and rel > 1e-5,
+          f"a resume whose {zeroed} first-moment tensors were zeroed is caught by the final loss: {rel:.2g} relative")
     late = subprocess.run([SHARDLAB, "train", "--strategy", "fsdp", "--world-size", "2", "--steps", "2", *common,
                            "--resume", ckpt], capture_output=True, text=True, timeout=120)
     check(late.returncode == 2 and "holds step 2; --steps is the step to train up to and must be greater" in late.stderr,
