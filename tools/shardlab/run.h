@@ -35,7 +35,8 @@ struct RunReport {
   double final_loss = 0;                 ///< the final parameters' loss on the next step's batch (the rank farthest
                                          ///< from the reference's), Note [Comparing with one device]
   double reference_final_loss = 0;       ///< the reference's final parameters on the same batch
-  double adamw_param_bound = 0;          ///< AdamW: what max_param_diff may reach (adamw_divergence_bound); SGD: 0
+  double adamw_param_bound = 0;          ///< AdamW: what max_param_diff may reach (adamw_divergence_bound); SGD,
+                                         ///< or a resume of weights alone (no common start): 0
   double collectives_per_step = 0;       ///< measured on rank 0, after construction
   double bytes_per_step = 0;             ///< payload bytes rank 0 handed to the backend per step
   double collectives_per_step_theory = 0;
