@@ -20,6 +20,12 @@ namespace {
 // The AdamW of make_optimizer; adamw_divergence_bound reads its betas.
 torch::optim::AdamWOptions adamw_options(double lr) { return torch::optim::AdamWOptions(lr).weight_decay(0.01); }
 
+// `model`'s loss on the global batch of step `step`, without building a graph: what final_loss and loss_at report.
+double loss_without_grad(Model& model, Dataset& data, const TrainConfig& config, int step) {
+  at::NoGradGuard no_grad;
+  return model.loss(data.global_batch(step, config.global_batch).to(device_of(config))).item<double>();
+}
+
 }  // namespace
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name, std::vector<at::Tensor> params,
@@ -95,8 +101,7 @@ ReferenceResult train_reference(const TrainConfig& config) {
     result.names.push_back(item.key());
     result.params.push_back(item.value().detach().cpu().clone());
   }
-  at::NoGradGuard no_grad;
-  result.final_loss = model->loss(data->global_batch(config.steps, config.global_batch).to(device)).item<double>();
+  result.final_loss = loss_without_grad(*model, *data, config, config.steps);
   return result;
 }
 
@@ -114,8 +119,7 @@ double loss_at(const TrainConfig& config, const std::vector<at::Tensor>& params,
                                   c10::str(named[i].value().sizes()) + "; got " + c10::str(params[i].sizes()));
     named[i].value().copy_(params[i]);
   }
-  auto data = make_dataset(config.model, config.seed);
-  return model->loss(data->global_batch(step, config.global_batch).to(device)).item<double>();
+  return loss_without_grad(*model, *make_dataset(config.model, config.seed), config, step);
 }
 
 double adamw_divergence_bound(const TrainConfig& config, int steps) {

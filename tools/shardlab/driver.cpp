@@ -207,6 +207,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   }());
 
   r.losses.assign(run, 0.0);
+  at::Tensor previous;  // the last parameters whose final loss was computed
   for (int rank = 0; rank < o.world_size; ++rank) {
     const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
     auto text = read_rank_text(prefix + ".txt");
@@ -247,7 +248,10 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     if (in.gcount() != mine.numel() * 8)
       throw std::runtime_error("rank " + std::to_string(rank) + " wrote parameters of another size than the model");
     r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
-    // The final parameters' loss on the next batch: what the last update did, seen where AdamW stays tight.
+    // The final parameters' loss on the next batch: what the last update did, seen where AdamW stays tight. Ranks
+    // that hold the same parameters as the one before (every replica, every gathered shard) have its loss.
+    if (rank > 0 && mine.equal(previous)) continue;
+    previous = mine;
     std::vector<at::Tensor> params;
     int64_t offset = 0;
     for (const auto& p : ref.params) {
