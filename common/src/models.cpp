@@ -22,10 +22,10 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target) {
 
 Mlp::Mlp(const std::vector<int64_t>& sizes, uint64_t seed) {
   if (sizes.size() < 2) throw std::invalid_argument("Mlp: expected at least 2 layer sizes (input, classes)");
+  Initializer init(seed);  // each unit initialized before it is registered: Note [Building a model unit by unit]
   for (size_t i = 0; i + 1 < sizes.size(); ++i)
-    layers_.push_back(
-        register_unit("fc" + std::to_string(i), std::make_shared<torch::nn::LinearImpl>(sizes[i], sizes[i + 1])));
-  init_parameters(*this, seed);
+    layers_.push_back(register_unit("fc" + std::to_string(i),
+                                    init(std::make_shared<torch::nn::LinearImpl>(sizes[i], sizes[i + 1]))));
 }
 
 at::Tensor Mlp::forward(const at::Tensor& x) {
@@ -69,12 +69,17 @@ at::Tensor GptBlock::forward(const at::Tensor& x) {
 }
 
 TinyGpt::TinyGpt(const GptConfig& c, uint64_t seed) : config_(c) {
+  // Each part initialized as it is built, in registration order (Note [Building a model unit by unit]): under
+  // sharded construction a block is sharded as soon as it is registered, and the next one is built after.
+  Initializer init(seed);
   wte_ = register_module("wte", torch::nn::Embedding(c.vocab, c.dim));
+  init.fill(*wte_);
   wpe_ = register_module("wpe", torch::nn::Embedding(c.block, c.dim));
+  init.fill(*wpe_);
   for (int64_t i = 0; i < c.layers; ++i)
-    blocks_.push_back(register_unit("block" + std::to_string(i), std::make_shared<GptBlock>(c)));
+    blocks_.push_back(register_unit("block" + std::to_string(i), init(std::make_shared<GptBlock>(c))));
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-  init_parameters(*this, seed);
+  init.fill(*ln_f_);
 }
 
 at::Tensor TinyGpt::forward(const at::Tensor& tokens) {
@@ -97,12 +102,16 @@ at::Tensor TinyGpt::loss(const Batch& batch) {
 // ---- EdgeModel -------------------------------------------------------------------------------------------------
 
 EdgeModel::EdgeModel(uint64_t seed) {
-  trunk_ = register_unit("trunk", std::make_shared<torch::nn::LinearImpl>(8, 7));
-  head_ = register_unit("head", std::make_shared<torch::nn::LinearImpl>(7, 3));
+  // Drawn in the order the finished model lists its tensors (Note [Building a model unit by unit]): its own
+  // parameters (libtorch lists them before its children's), the units as they are registered, then the buffer.
+  Initializer init(seed);
   frozen_ = register_parameter("frozen", at::zeros({3}), /*requires_grad=*/false);
   sometimes_ = register_parameter("sometimes", at::zeros({3, 7}));
+  init.fill_root(*this);
+  trunk_ = register_unit("trunk", init(std::make_shared<torch::nn::LinearImpl>(8, 7)));
+  head_ = register_unit("head", init(std::make_shared<torch::nn::LinearImpl>(7, 3)));
   scale_ = register_buffer("scale", at::ones({7}));
-  init_parameters(*this, seed);
+  init.fill_root(*this);
 }
 
 at::Tensor EdgeModel::forward(const at::Tensor& x, int64_t step) {

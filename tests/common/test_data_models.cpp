@@ -26,6 +26,38 @@ TEST(Models, SameSeedSameWeightsOtherSeedOtherWeights) {
   }
 }
 
+TEST(Initializer, PartByPartDrawsWhatTheWholeModelDraws) {
+  // The shipped models fill each unit before registering it (Note [Building a model unit by unit]); one
+  // init_parameters over the finished model, as the models did before, must give the same values bit for bit.
+  for (const std::string name : {"mlp", "tiny_gpt", "edge"}) {
+    auto built = make_model(name, 5);
+    auto whole = make_model(name, 6);  // other values first, so that the check cannot pass by coincidence
+    init_parameters(*whole, 5);
+    const auto a = named_state(*built, StateParts::kParametersAndBuffers, false);
+    const auto b = named_state(*whole, StateParts::kParametersAndBuffers, false);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << name << " " << a[i].first << " differs";
+  }
+}
+
+TEST(UnitBuildScope, SeesEveryUnitAsItIsRegisteredAndDoesNotNest) {
+  std::vector<std::string> seen;
+  std::vector<int64_t> rows;
+  {
+    UnitBuildScope scope([&](Unit& unit) {
+      seen.push_back(unit.name);
+      rows.push_back(unit.module->parameters().front().size(0));
+    });
+    EXPECT_THROW(UnitBuildScope([](Unit&) {}), std::logic_error);
+    make_model("mlp", 1);
+  }
+  EXPECT_EQ(seen, (std::vector<std::string>{"fc0", "fc1", "fc2"}));
+  EXPECT_EQ(rows, (std::vector<int64_t>{64, 64, 4}));
+  make_model("mlp", 1);  // the scope is gone: nothing more is seen
+  EXPECT_EQ(seen.size(), 3u);
+}
+
 TEST(Models, UnknownModelIsAClearError) {
   try {
     make_model("resnet", 1);

@@ -6,6 +6,7 @@
 /// Vocabulary: a *Batch* is a pair (input, target) whose dim 0 is the batch dimension; `step` is the training step
 /// it belongs to (some test models use it to leave a parameter without gradient on odd steps).
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -44,12 +46,38 @@ using UnitForward = std::function<at::Tensor(const at::Tensor&)>;
 /// before it and frees them after it). libtorch's Module has no forward hooks and a non-virtual forward; the slot
 /// is the hook.
 struct Unit {
-  std::string name;                           ///< the sub-module's registered name ("block0")
+  std::string name;                           ///< the sub-module's registered name ("block0"; libtorch refuses a
+                                              ///< submodule name with a dot, so a unit's name has none)
   std::shared_ptr<torch::nn::Module> module;  ///< owns the unit's parameters (registered in the model too)
   UnitForward forward;                        ///< what the model calls; a wrapper may replace it
 };
 
 class Model;
+
+/// What a wrapper does with each unit the moment the model registers it (see UnitBuildScope).
+using UnitBuilt = std::function<void(Unit& unit)>;
+
+/// Sharded construction, the hook: while a scope lives, every `Model::register_unit` on this thread calls the
+/// scope's function with the unit it just registered, before register_unit returns. FSDP shards the unit there, so
+/// that its full values are gone before the model builds the next one (Note [Building a model unit by unit] in
+/// model.cpp). A model built this way must give each unit its initial values *before* registering it (Initializer
+/// shows how). Thread-local: the model is built on the thread that made the scope. Scopes do not nest.
+class UnitBuildScope {
+ public:
+  /// Installs `on_unit` for this thread. @throws std::logic_error when a scope already lives on this thread.
+  explicit UnitBuildScope(UnitBuilt on_unit);
+  /// Uninstalls it.
+  ~UnitBuildScope();
+  UnitBuildScope(const UnitBuildScope&) = delete;
+  UnitBuildScope& operator=(const UnitBuildScope&) = delete;
+  /// Called by Model::register_unit: passes `unit` to this thread's scope, if one lives.
+  static void unit_registered(Unit& unit);
+};
+
+/// Makes a model, on the CPU: what a wrapper's sharded construction calls once, inside its UnitBuildScope (FSDP's
+/// FullyShardedModel(ModelBuilder, ...), parallelize). Every rank's builder must build the same structure with the
+/// same values (the same seed): nothing is broadcast.
+using ModelBuilder = std::function<std::shared_ptr<Model>()>;
 
 /// A model's handle on one of its units: calling it runs the unit's current slot (see Unit); `->` reaches the
 /// module. What `Model::register_unit` returns; a model keeps it where it kept the module.
@@ -98,12 +126,15 @@ class Model : public torch::nn::Module {
   ///   blocks_.push_back(register_unit("block" + std::to_string(i), std::make_shared<Block>(...)));
   ///   ...  x = blocks_[i](x);      // instead of blocks_[i]->forward(x)
   /// @endcode
-  /// @pre M has `at::Tensor forward(const at::Tensor&)`.
+  /// Inside a UnitBuildScope (sharded construction) the unit is handed to the wrapper before this returns: give it
+  /// its initial values first (Initializer), and never write to its parameters afterwards.
+  /// @pre M has `at::Tensor forward(const at::Tensor&)`; `name` has no dot (libtorch's rule for submodules).
   template <typename M>
   UnitRef<M> register_unit(const std::string& name, std::shared_ptr<M> module) {
     register_module(name, module);
     M* raw = module.get();
     units_.push_back(Unit{name, module, [raw](const at::Tensor& x) { return raw->forward(x); }});
+    UnitBuildScope::unit_registered(units_.back());  // sharded construction: the wrapper takes the unit now
     return UnitRef<M>(this, units_.size() - 1, std::move(module));
   }
 
@@ -123,6 +154,34 @@ at::Tensor UnitRef<M>::operator()(const at::Tensor& x) const {
 /// matrices, zeros for biases, ones for norm weights). Used by the models; exposed for tests that need ranks to
 /// start from different weights.
 void init_parameters(torch::nn::Module& module, uint64_t seed);
+
+/// init_parameters, drawn part by part as a model is built (Note [Building a model unit by unit] in model.cpp): one
+/// private generator, each part filled by init_parameters' rule from the next draws. Filling the parts in the
+/// order the finished model lists its parameters (libtorch lists a module's own parameters before its children's)
+/// gives exactly what init_parameters(model, seed) gives; so a
+/// model can fill each unit before registering it, as sharded construction needs, and still match one device.
+class Initializer {
+ public:
+  /// A generator seeded with `seed`, as init_parameters seeds it.
+  explicit Initializer(uint64_t seed);
+  /// Fills `module`'s parameters, then its buffers, from the next draws.
+  void fill(torch::nn::Module& module);
+  /// fill(*module), then returns `module`: `register_unit("block0", init(std::make_shared<Block>(...)))`.
+  template <typename M>
+  std::shared_ptr<M> operator()(std::shared_ptr<M> module) {
+    fill(*module);
+    return module;
+  }
+  /// Fills what is left of the root: every parameter of `model` outside its units that this initializer has not
+  /// filled yet, then every such buffer.
+  void fill_root(Model& model);
+
+ private:
+  void fill_tensors(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                    const std::vector<at::Tensor>& buffers);
+  at::Generator gen_;
+  std::unordered_set<const void*> filled_;  // the tensors filled so far (TensorImpl)
+};
 
 /// Which of a module's tensors named_state lists.
 enum class StateParts {
