@@ -5,7 +5,7 @@
 // trainer: CMakeLists.txt checks that.
 //
 // The same 4 processes train on three meshes of the one world: 2x2 (HSDP, accumulating two micro-batches with the
-// all-reduce deferred), 1x4 (FSDP), 4x1 (DDP), and each rank checks the kind it got and its result against the same
+// all-reduce deferred), 1x4 (FSDP), both built sharded from a ModelBuilder, and 4x1 (DDP), and each rank checks the kind it got and its result against the same
 // model trained on one device on the union of the 4 ranks' batches. Rank 0 prints
 // "consumer: ok" only when every rank's check held on every mesh.
 #include <shardlab/common/model.h>
@@ -37,14 +37,18 @@ struct Block : torch::nn::Module {
 };
 
 // The user's own model: any torch::nn::Module with a mean loss. The blocks are units (sharded and gathered
-// together); stem and head are the root.
+// together); stem and head are the root. Each part is initialized as it is built, before it is registered: built
+// inside parallelize (a ModelBuilder), FSDP shards a unit the moment it is registered, so no rank ever holds the
+// whole model. shardlab::Initializer draws in build order, so the values are those of one init over the whole model.
 struct ResidualNet : shardlab::Model {
   explicit ResidualNet(uint64_t seed) {
+    shardlab::Initializer init(seed);
     stem = register_module("stem", torch::nn::Linear(kFeatures, 24));
-    for (int i = 0; i < 3; ++i)
-      blocks.push_back(register_unit("block" + std::to_string(i), std::make_shared<Block>(24)));  // one line a unit
+    init.fill(*stem);
+    for (int i = 0; i < 3; ++i)  // one line a unit
+      blocks.push_back(register_unit("block" + std::to_string(i), init(std::make_shared<Block>(24))));
     head = register_module("head", torch::nn::Linear(24, kClasses));
-    shardlab::init_parameters(*this, seed);
+    init.fill(*head);
   }
   at::Tensor loss(const shardlab::Batch& b) override {
     at::Tensor h = stem->forward(b.input);
@@ -101,9 +105,11 @@ int main() {
   };
   for (const Case& c : {Case{2, 2, "hsdp", true}, Case{1, 4, "fsdp", false}, Case{4, 1, "ddp", false}}) {
     shardlab::Mesh mesh(*world, c.replicate, c.shard);
-    // Each rank starts from its own values; parallelize broadcasts rank 0's (the reference's start).
-    auto model = std::make_shared<ResidualNet>(kSeed + rank);
-    auto dp = shardlab::parallelize(model, mesh);  // FSDP2's defaults
+    // FSDP and HSDP: the model built sharded, unit by unit, every rank from the same seed (nothing is broadcast).
+    // DDP holds the whole model anyway: here each rank starts from its own values, and parallelize broadcasts rank
+    // 0's (the reference's start).
+    auto dp = c.shard > 1 ? shardlab::parallelize([] { return std::make_shared<ResidualNet>(kSeed); }, mesh)
+                          : shardlab::parallelize(std::make_shared<ResidualNet>(kSeed + rank), mesh);
     if (dp->kind_name() != c.kind) {
       std::cout << "consumer: a " << mesh.to_string() << " mesh gave " << dp->kind_name() << "; expected " << c.kind
                 << std::endl;

@@ -96,9 +96,22 @@ else:
                 errors.append("measured parameter peak above 1.05x theory: a buffer the theory does not count")
             if not report["peak_grad_bytes"] <= report["peak_grad_bytes_theory"]:
                 errors.append("measured gradient peak above theory: a buffer the theory does not count")
-    rss = report.get("peak_rss_bytes", [])
-    if len(rss) != report["world_size"] or not all(b > 0 for b in rss):
-        errors.append(f"expected every rank's peak RSS; got {rss}")
+    # Resident memory (Note [Peak RSS over the steady state]): every rank's base, steady peak and the run's peak,
+    # which covers the steady window, so it is at least the steady peak and above the base.
+    rss, run_rss, base = (report.get(k, []) for k in ("peak_rss_bytes", "run_peak_rss_bytes", "base_rss_bytes"))
+    print("resident MiB per rank: base", [b >> 20 for b in base], "run peak", [b >> 20 for b in run_rss],
+          "steady peak", [b >> 20 for b in rss], "built", report.get("construction"))
+    if not all(len(v) == report["world_size"] and all(b > 0 for b in v) for v in (rss, run_rss, base)):
+        errors.append(f"expected every rank's base, run peak and steady peak RSS; got {base}, {run_rss}, {rss}")
+    elif not all(b < s <= r for b, s, r in zip(base, rss, run_rss)):
+        errors.append(f"expected base < steady peak <= run peak on every rank; got {base}, {rss}, {run_rss}")
+    # How the model was built: sharded for the strategies that shard (Note [Sharded construction]); the others say
+    # why they build it whole.
+    sharded = report["strategy"].startswith("fsdp") or report["strategy"] == "hsdp"
+    construction = report.get("construction", "")
+    if sharded != (construction == "sharded") or not (sharded or construction.startswith("whole: ")):
+        errors.append(f"{report['strategy']} reports construction {construction!r}; expected 'sharded' for the "
+                      f"strategies that shard, 'whole: <why>' for the others")
     pairs = list(zip(report["losses"] + [report["final_loss"]],
                      report["reference_losses"] + [report["reference_final_loss"]]))
     worst = max(abs(a - b) for a, b in pairs)

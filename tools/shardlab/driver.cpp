@@ -175,6 +175,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   RunReport r;
   r.strategy = o.strategy;
   r.description = strategy.description;
+  r.construction = strategy.construction;
   r.world_size = o.world_size;
   r.train = o.train;
   r.trace_dir = o.trace_dir;
@@ -241,7 +242,10 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
         g.bytes = values[1] / run;
       }
     }
-    r.peak_rss_bytes.push_back(text["peak_rss_bytes"].empty() ? 0.0 : text["peak_rss_bytes"][0]);
+    for (auto [key, into] : {std::pair{"peak_rss_bytes", &r.peak_rss_bytes},
+                             std::pair{"run_peak_rss_bytes", &r.run_peak_rss_bytes},
+                             std::pair{"base_rss_bytes", &r.base_rss_bytes}})
+      into->push_back(text[key].empty() ? 0.0 : text[key][0]);
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
     in.read(reinterpret_cast<char*>(mine.data_ptr<double>()), static_cast<std::streamsize>(mine.numel() * 8));
@@ -328,11 +332,22 @@ void print_report(const RunReport& r) {
               << static_cast<int64_t>(r.peak_grad_bytes) << " bytes (theory "
               << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
               << (shards_parameters(r.strategy) ? ", measured" : ", a full replica") << "\n";
-  if (!r.peak_rss_bytes.empty()) {
-    std::cout << "  peak RSS per rank, second half of the steps (what the operating system saw):";
-    for (double b : r.peak_rss_bytes) std::cout << " " << static_cast<int64_t>(b / (1 << 20)) << " MiB";
-    std::cout << (shards_parameters(r.strategy) ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "")
+  if (!r.peak_rss_bytes.empty()) {  // Note [Peak RSS over the steady state]
+    auto mib = [](const std::vector<double>& bytes) {
+      std::ostringstream line;
+      for (double b : bytes) line << " " << static_cast<int64_t>(b / (1 << 20));
+      return line.str() + " MiB";
+    };
+    std::cout << "  resident memory per rank (what the operating system saw); the model built "
+              << (r.construction == "sharded" ? "sharded, unit by unit" : r.construction) << "\n    before the model:"
+              << mib(r.base_rss_bytes) << "\n    peak over the run, construction included:" << mib(r.run_peak_rss_bytes)
+              << "\n    peak over the second half of the steps:" << mib(r.peak_rss_bytes)
+              << (shards_parameters(r.strategy) ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "")
               << "\n";
+    if (r.peak_param_bytes_theory > 0)
+      std::cout << "    theory of what a step holds beyond the base: parameters and gradients "
+                << static_cast<int64_t>((r.peak_param_bytes_theory + r.peak_grad_bytes_theory) / (1 << 20))
+                << " MiB, plus activations and the optimizer's state\n";
   }
   std::cout << std::fixed << std::setprecision(2) << "  median step time: " << r.step_time_ms << " ms\n";
   if (r.world_size > 1) {
@@ -473,6 +488,9 @@ nlohmann::ordered_json report_to_json(const RunReport& r) {
                          {"bytes_per_step", count(g.bytes)},
                          {"bytes_per_step_theory", count(g.bytes_theory)}};
   j["peak_rss_bytes"] = counts(r.peak_rss_bytes);
+  j["run_peak_rss_bytes"] = counts(r.run_peak_rss_bytes);
+  j["base_rss_bytes"] = counts(r.base_rss_bytes);
+  j["construction"] = r.construction;
   j["trace_dir"] = r.trace_dir;
   j["config"] = r.config;
   return j;

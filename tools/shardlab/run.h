@@ -70,6 +70,12 @@ struct RunReport {
   /// VmHWM after resetting it (clear_refs), or the most VmRSS sampled after each step where that is refused.
   /// See Note [Peak RSS over the steady state] in worker.cpp.
   std::vector<double> peak_rss_bytes;
+  /// Every rank's peak resident memory over the whole run, construction included, up to the last step.
+  std::vector<double> run_peak_rss_bytes;
+  /// Every rank's resident memory before the model was built (libtorch, Gloo, the data): the process's base.
+  std::vector<double> base_rss_bytes;
+  /// How each rank built the model (Strategy::construction): "sharded", or "whole: " and why.
+  std::string construction;
   bool pool_buffers = true;       ///< FSDP: --pool-buffers
   std::string mesh;               ///< hsdp: "RxS" (replicas x shards); "" for every other strategy
   bool defer_all_reduce = false;  ///< hsdp: --defer-all-reduce

@@ -29,6 +29,15 @@ namespace {
 // Model `c.model` on `c.device` (an index the worker has already resolved for this rank).
 std::shared_ptr<Model> model_on_device(const TrainConfig& c) { return make_model(c, parse_device(c.device)); }
 
+// What the sharded strategies give FSDP to build `c.model` unit by unit (Note [Sharded construction]): the model on
+// the CPU, kept in `built` for the runner; FSDP moves each unit to the device as it shards it.
+ModelBuilder sharded_builder(const TrainConfig& c, std::shared_ptr<Model>& built) {
+  return [&c, &built] { return built = make_model(c, at::kCPU); };
+}
+
+// Why the replicated strategies build the whole model (Strategy::construction).
+const char* const kWholeReplica = "whole: every rank keeps a full replica (DDP), built, then rank 0's state broadcast";
+
 // The single-device "wrapper": no communication at all.
 class SingleDevice {
  public:
@@ -369,7 +378,8 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
             if (!hook.empty())
               options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, world->world()));
             return bucketed_runner(c, s, world->world(), model, std::move(options));
-          }};
+          },
+          kWholeReplica};
 }
 
 // Bucketed DDP whose buckets step their own parameters as their averages land (stage 03's hook_then_optimizer):
@@ -387,7 +397,8 @@ Strategy overlapped_optimizer() {
             bucketed_ddp::Options options = ddp_options(s, c.model);
             options.reducer = comm_hooks::hook_then_optimizer(nullptr, optimizer);
             return bucketed_runner(c, s, world->world(), model, std::move(options), optimizer);
-          }};
+          },
+          kWholeReplica};
 }
 
 fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
@@ -503,10 +514,12 @@ void prefetch_as_told(fsdp::FullyShardedModel& wrapper, const StrategyOptions& s
   prefetch::enable_prefetch(wrapper, policy);
 }
 
-std::unique_ptr<StepRunner> fsdp_prefetch_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
-  auto model = model_on_device(c);
-  auto wrapper = std::make_unique<fsdp::FullyShardedModel>(model, world->world(), fsdp_options(s, c.model));
-  prefetch_as_told(*wrapper, s);
+// Stage 04's FSDP, built sharded; with stage 05's prefetch when `prefetch`.
+std::unique_ptr<StepRunner> fsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world, bool prefetch) {
+  std::shared_ptr<Model> model;
+  auto wrapper = std::make_unique<fsdp::FullyShardedModel>(sharded_builder(c, model), world->world(),
+                                                           fsdp_options(s, c.model), parse_device(c.device));
+  if (prefetch) prefetch_as_told(*wrapper, s);
   return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper));
 }
 
@@ -534,8 +547,9 @@ class HsdpRunner : public WrappedRunner<fsdp::FullyShardedModel> {
 std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
   const auto [replicas, shards] = mesh_shape(s, world->size());
   auto mesh = std::make_shared<Mesh>(*world, replicas, shards);
-  auto model = model_on_device(c);
-  auto wrapper = hsdp::fully_shard_hybrid(model, *mesh, fsdp_options(s, c.model));
+  std::shared_ptr<Model> model;
+  auto wrapper = hsdp::fully_shard_hybrid(sharded_builder(c, model), *mesh, fsdp_options(s, c.model),
+                                          hsdp::Wire::kReduceDtype, parse_device(c.device));
   prefetch_as_told(*wrapper, s);
   MicroBatchHook accumulation;
   if (s.defer_all_reduce) {
@@ -554,29 +568,30 @@ const std::vector<Strategy>& strategies() {
        [](const TrainConfig& c, const StrategyOptions&, World*) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<SingleDevice>>(c, model, std::make_unique<SingleDevice>(model));
-       }},
+       },
+       "whole: one device holds the model"},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", true,
        [](const Model& m, int, const StrategyOptions&, const TrainConfig&) { return per_parameter_all_reduce(m); },
        [](const TrainConfig& c, const StrategyOptions&, World* world) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return std::make_unique<WrappedRunner<naive_ddp::NaiveDDP>>(
              c, model, std::make_unique<naive_ddp::NaiveDDP>(model, world->world()));
-       }},
+       },
+       kWholeReplica},
       bucketed("bucketed_ddp", "stage 02: flat buckets, async all-reduce overlapped with backward", "", 1.0),
       bucketed("hook_allreduce", "stage 03: buckets through the fp32 hook (pre/post divide)", "allreduce", 1.0),
       bucketed("hook_fp16", "stage 03: buckets compressed to fp16 on the wire", "fp16", 0.5),
       bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5),
       overlapped_optimizer(),
       {"fsdp", "stage 04: sharded units, all-gather before use, reduce-scatter of gradients", true, fsdp_traffic,
-       [](const TrainConfig& c, const StrategyOptions& s, World* world) -> std::unique_ptr<StepRunner> {
-         auto model = model_on_device(c);
-         return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(
-             c, model, std::make_unique<fsdp::FullyShardedModel>(model, world->world(), fsdp_options(s, c.model)));
-       }},
+       [](const TrainConfig& c, const StrategyOptions& s, World* world) { return fsdp_runner(c, s, world, false); },
+       "sharded"},
       {"fsdp_prefetch", "stage 05: FSDP with the next units' all-gathers in flight while this unit computes", true,
-       fsdp_traffic, fsdp_prefetch_runner},
+       fsdp_traffic,
+       [](const TrainConfig& c, const StrategyOptions& s, World* world) { return fsdp_runner(c, s, world, true); },
+       "sharded"},
       {"hsdp", "stage 06: sharded within each replica of an RxS mesh, all-reduced across replicas (--mesh)", true,
-       hsdp_traffic, hsdp_runner},
+       hsdp_traffic, hsdp_runner, "sharded"},
   };
   return all;
 }

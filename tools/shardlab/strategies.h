@@ -87,6 +87,9 @@ struct Strategy {
   /// Builds the runner on `world` (null when !distributed); a strategy makes the groups it needs from it (every
   /// strategy but hsdp: world->world()).
   std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, World*)> make;
+  /// How each rank builds the model, for the report: "sharded" (unit by unit, Note [Sharded construction]), or
+  /// "whole: " and why this strategy cannot do otherwise.
+  std::string construction;
 };
 
 /// hsdp's mesh on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the world size is even

@@ -42,11 +42,16 @@ double sent_bytes(const CollectiveRecord& r) {
 
 // Note [Peak RSS over the steady state]
 // What a user's operating system sees is the process's resident memory, not the sum of the buffers a meter counts:
-// the allocator's retained heap, libtorch's and Gloo's own, the activations. Its peak over the whole run would be
-// set by the construction (a full model before sharding), so the peak is taken over the second half of the steps:
-// Linux resets a process's VmHWM to its current RSS when "5" is written to /proc/self/clear_refs, and VmHWM then is
-// the most resident memory since. Where that file refuses the write (some sandboxes), the most VmRSS seen at the end
-// of each step stands in for it (a lower bound: a peak inside a step can be missed).
+// the allocator's retained heap, libtorch's and Gloo's own, the activations. Three figures per worker:
+//  - the base: VmRSS once the process groups exist, before the model is built (libtorch, Gloo, the data);
+//  - the steady peak, over the second half of the steps: Linux resets a process's VmHWM to its current RSS when "5"
+//    is written to /proc/self/clear_refs, and VmHWM then is the most resident memory since. Where that file refuses
+//    the write (some sandboxes), the most VmRSS seen at the end of each step stands in for it (a lower bound: a peak
+//    inside a step can be missed);
+//  - the run's peak: the larger of VmHWM just before that reset (construction, a checkpoint loaded, the first half
+//    of the steps) and VmHWM at the end of the steps, so construction is included. It ends with the last step: what
+//    the worker then sends the driver (every parameter gathered, to compare with one device) is the tool's check, not
+//    training. A whole model built before sharding shows here, and not in the steady peak.
 bool reset_peak_rss() {
   std::ofstream f("/proc/self/clear_refs");
   f << "5";
@@ -121,6 +126,7 @@ int run_worker(const RunOptions& options) {
     at::set_num_threads(o.threads);
     set_blas_threads(o.threads);
   }
+  const double base_rss = status_bytes("VmRSS");  // Note [Peak RSS over the steady state]
   auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
   int first_step = 0;  // --resume: the checkpoint's step, where this run's data starts
   if (!o.resume_dir.empty()) {
@@ -141,11 +147,14 @@ int run_worker(const RunOptions& options) {
   const uint64_t yields_before = progress_yields();
   const int64_t first_step_ns = now_ns();
   bool hwm_reset = false;  // Note [Peak RSS over the steady state]
-  double rss_sampled = 0;
+  double rss_sampled = 0, run_peak_rss = 0;
   std::vector<std::pair<size_t, size_t>> saves;  // recorder ranges of the checkpoints' collectives: not training's
   const int half = first_step + (o.train.steps - first_step) / 2;
   for (int step = first_step; step < o.train.steps; ++step) {
-    if (step == half) hwm_reset = reset_peak_rss();
+    if (step == half) {
+      run_peak_rss = status_bytes("VmHWM");
+      hwm_reset = reset_peak_rss();
+    }
     Batch local = rank_slice(data->global_batch(step, o.train.global_batch), rank, world).to(device);
     const auto t0 = std::chrono::steady_clock::now();
     step_starts_ns.push_back(now_ns());
@@ -168,6 +177,8 @@ int run_worker(const RunOptions& options) {
   }
 
   const int64_t last_step_ns = now_ns();
+  const double steady_peak_rss = hwm_reset ? status_bytes("VmHWM") : rss_sampled;
+  run_peak_rss = std::max(run_peak_rss, status_bytes("VmHWM"));
   step_starts_ns.push_back(last_step_ns);
   const uint64_t yields = progress_yields() - yields_before;
 
@@ -232,7 +243,8 @@ int run_worker(const RunOptions& options) {
     for (double v : values) out << ' ' << v;
     out << '\n';
   }
-  out << "peak_rss_bytes " << (hwm_reset ? status_bytes("VmHWM") : rss_sampled) << "\n";
+  out << "peak_rss_bytes " << steady_peak_rss << "\nrun_peak_rss_bytes " << run_peak_rss << "\nbase_rss_bytes "
+      << base_rss << "\n";
   const MemoryFigures mem = runner->memory();
   out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
       << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory
