@@ -98,13 +98,16 @@ else:
                 errors.append("measured gradient peak above theory: a buffer the theory does not count")
     # Resident memory (Note [Peak RSS over the steady state]): every rank's base, steady peak and the run's peak,
     # which covers the steady window, so it is at least the steady peak and above the base.
-    rss, run_rss, base = (report.get(k, []) for k in ("peak_rss_bytes", "run_peak_rss_bytes", "base_rss_bytes"))
-    print("resident MiB per rank: base", [b >> 20 for b in base], "run peak", [b >> 20 for b in run_rss],
-          "steady peak", [b >> 20 for b in rss], "built", report.get("construction"))
-    if not all(len(v) == report["world_size"] and all(b > 0 for b in v) for v in (rss, run_rss, base)):
-        errors.append(f"expected every rank's base, run peak and steady peak RSS; got {base}, {run_rss}, {rss}")
-    elif not all(b < s <= r for b, s, r in zip(base, rss, run_rss)):
-        errors.append(f"expected base < steady peak <= run peak on every rank; got {base}, {rss}, {run_rss}")
+    rss, run_rss, base, built = (report.get(k, []) for k in ("peak_rss_bytes", "run_peak_rss_bytes",
+                                                             "base_rss_bytes", "construction_rss_bytes"))
+    print("resident MiB per rank: base", [b >> 20 for b in base], "built", [b >> 20 for b in built], "run peak",
+          [b >> 20 for b in run_rss], "steady peak", [b >> 20 for b in rss], "construction", report.get("construction"))
+    if not all(len(v) == report["world_size"] and all(b > 0 for b in v) for v in (rss, run_rss, base, built)):
+        errors.append(f"expected every rank's base, construction, run and steady peak RSS; got {base}, {built}, "
+                      f"{run_rss}, {rss}")
+    elif not all(b < c <= r and s <= r for b, c, s, r in zip(base, built, rss, run_rss)):
+        errors.append(f"expected base < construction peak <= run peak and steady peak <= run peak on every rank; got "
+                      f"{base}, {built}, {rss}, {run_rss}")
     # How the model was built: sharded for the strategies that shard (Note [Sharded construction]); the others say
     # why they build it whole.
     sharded = report["strategy"].startswith("fsdp") or report["strategy"] == "hsdp"

@@ -74,6 +74,8 @@ struct RunReport {
   std::vector<double> run_peak_rss_bytes;
   /// Every rank's resident memory before the model was built (libtorch, Gloo, the data): the process's base.
   std::vector<double> base_rss_bytes;
+  /// Every rank's peak resident memory once the model was built and wrapped (the base included).
+  std::vector<double> construction_rss_bytes;
   /// How each rank built the model (Strategy::construction): "sharded", or "whole: " and why.
   std::string construction;
   bool pool_buffers = true;       ///< FSDP: --pool-buffers

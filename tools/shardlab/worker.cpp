@@ -44,6 +44,7 @@ double sent_bytes(const CollectiveRecord& r) {
 // What a user's operating system sees is the process's resident memory, not the sum of the buffers a meter counts:
 // the allocator's retained heap, libtorch's and Gloo's own, the activations. Three figures per worker:
 //  - the base: VmRSS once the process groups exist, before the model is built (libtorch, Gloo, the data);
+//  - the construction's peak: VmHWM once the model is built and wrapped (the process's peak so far);
 //  - the steady peak, over the second half of the steps: Linux resets a process's VmHWM to its current RSS when "5"
 //    is written to /proc/self/clear_refs, and VmHWM then is the most resident memory since. Where that file refuses
 //    the write (some sandboxes), the most VmRSS seen at the end of each step stands in for it (a lower bound: a peak
@@ -51,7 +52,8 @@ double sent_bytes(const CollectiveRecord& r) {
 //  - the run's peak: the larger of VmHWM just before that reset (construction, a checkpoint loaded, the first half
 //    of the steps) and VmHWM at the end of the steps, so construction is included. It ends with the last step: what
 //    the worker then sends the driver (every parameter gathered, to compare with one device) is the tool's check, not
-//    training. A whole model built before sharding shows here, and not in the steady peak.
+//    training. A whole model built before sharding shows here and in the construction's peak, not in the steady
+//    peak.
 bool reset_peak_rss() {
   std::ofstream f("/proc/self/clear_refs");
   f << "5";
@@ -128,6 +130,7 @@ int run_worker(const RunOptions& options) {
   }
   const double base_rss = status_bytes("VmRSS");  // Note [Peak RSS over the steady state]
   auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
+  const double construction_rss = status_bytes("VmHWM");  // the peak so far: the model built (and wrapped)
   int first_step = 0;  // --resume: the checkpoint's step, where this run's data starts
   if (!o.resume_dir.empty()) {
     const int64_t t0 = now_ns();
@@ -244,7 +247,7 @@ int run_worker(const RunOptions& options) {
     out << '\n';
   }
   out << "peak_rss_bytes " << steady_peak_rss << "\nrun_peak_rss_bytes " << run_peak_rss << "\nbase_rss_bytes "
-      << base_rss << "\n";
+      << base_rss << "\nconstruction_rss_bytes " << construction_rss << "\n";
   const MemoryFigures mem = runner->memory();
   out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
       << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory
