@@ -25,7 +25,8 @@ REPORT_KEYS = [
     "progress_yields_per_step", "layers", "reshard_after_forward", "prefetch_depth", "prefetch_limit", "dim",
     "peak_param_bytes", "peak_param_bytes_theory", "peak_grad_bytes", "peak_grad_bytes_theory", "auto_caps",
     "auto_caps_buckets_theory", "pool_buffers", "mesh", "defer_all_reduce", "groups", "peak_rss_bytes",
-    "run_peak_rss_bytes", "base_rss_bytes", "construction_rss_bytes", "construction", "trace_dir", "config"]
+    "run_peak_rss_bytes", "base_rss_bytes", "construction_rss_bytes", "base_data_bytes",
+    "memory_limit_mib", "construction", "trace_dir", "config"]
 
 
 def check(ok, message):

@@ -176,6 +176,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.strategy = o.strategy;
   r.description = strategy.description;
   r.construction = strategy.construction;
+  r.memory_limit_mib = o.memory_limit_mib;
   r.world_size = o.world_size;
   r.train = o.train;
   r.trace_dir = o.trace_dir;
@@ -245,7 +246,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     for (auto [key, into] : {std::pair{"peak_rss_bytes", &r.peak_rss_bytes},
                              std::pair{"run_peak_rss_bytes", &r.run_peak_rss_bytes},
                              std::pair{"base_rss_bytes", &r.base_rss_bytes},
-                             std::pair{"construction_rss_bytes", &r.construction_rss_bytes}})
+                             std::pair{"construction_rss_bytes", &r.construction_rss_bytes},
+                             std::pair{"base_data_bytes", &r.base_data_bytes}})
       into->push_back(text[key].empty() ? 0.0 : text[key][0]);
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
@@ -346,6 +348,9 @@ void print_report(const RunReport& r) {
               << "\n    peak over the second half of the steps:" << mib(r.peak_rss_bytes)
               << (shards_parameters(r.strategy) ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "")
               << "\n";
+    if (r.memory_limit_mib > 0)
+      std::cout << "    data memory (VmData, what the limit counts) before the model:" << mib(r.base_data_bytes)
+                << "; limit " << r.memory_limit_mib << " MiB (--memory-limit-mib)\n";
     if (r.peak_param_bytes_theory > 0)
       std::cout << "    theory of what a step holds beyond the base: parameters and gradients "
                 << static_cast<int64_t>((r.peak_param_bytes_theory + r.peak_grad_bytes_theory) / (1 << 20))
@@ -493,6 +498,8 @@ nlohmann::ordered_json report_to_json(const RunReport& r) {
   j["run_peak_rss_bytes"] = counts(r.run_peak_rss_bytes);
   j["base_rss_bytes"] = counts(r.base_rss_bytes);
   j["construction_rss_bytes"] = counts(r.construction_rss_bytes);
+  j["base_data_bytes"] = counts(r.base_data_bytes);
+  j["memory_limit_mib"] = r.memory_limit_mib;
   j["construction"] = r.construction;
   j["trace_dir"] = r.trace_dir;
   j["config"] = r.config;

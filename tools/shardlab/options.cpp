@@ -182,6 +182,10 @@ void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker) {
       ->default_str("false");
   cmd.add_option("--cpu-allocator", o.cpu_allocator, "every CPU tensor of 1 MiB or more from a reusing pool")
       ->check(one_of({"system", "pool"}));
+  cmd.add_option("--memory-limit-mib", o.memory_limit_mib,
+                 "each rank's data memory in MiB (RLIMIT_DATA: heap, tensors, stacks); an allocation beyond it fails "
+                 "with an out-of-memory error naming the limit (0: none)")
+      ->transform(integer_in(0, 1 << 24));
   cmd.add_option_function<std::string>(
          "--pool-buffers", [&s](const std::string& v) { s.pool_buffers = v == "true"; },
          "FSDP: reuse the units' buffers (false: malloc/free each time)")
@@ -395,6 +399,8 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 o.comm_yield ? "on" : "off",
                                 "--cpu-allocator",
                                 o.cpu_allocator,
+                                "--memory-limit-mib",
+                                std::to_string(o.memory_limit_mib),
                                 "--layers",
                                 std::to_string(o.train.layers),
                                 "--dim",

@@ -45,6 +45,7 @@ struct RunOptions {
   int threads = 0;                       ///< --threads N: intra-op threads per rank (0 = libtorch's default)
   std::string backend = "gloo";          ///< --backend gloo|nccl (nccl needs --device cuda)
   std::string cpu_allocator = "system";  ///< --cpu-allocator system|pool: pool = BufferPool for every CPU tensor
+  int memory_limit_mib = 0;              ///< --memory-limit-mib N: each worker's RLIMIT_DATA (0 = none)
   bool comm_yield = true;                ///< --comm-yield on|off: progress points (Note [Yielding to communication])
   std::string save_dir;                  ///< --save DIR: a checkpoint there after the last step ("" = none)
   int save_every = 0;                    ///< --save-every K: also after every K-th step (0 = only the last)

@@ -74,10 +74,13 @@ struct RunReport {
   std::vector<double> run_peak_rss_bytes;
   /// Every rank's resident memory before the model was built (libtorch, Gloo, the data): the process's base.
   std::vector<double> base_rss_bytes;
+  /// Every rank's data memory (VmData: what --memory-limit-mib limits) before the model was built.
+  std::vector<double> base_data_bytes;
   /// Every rank's peak resident memory once the model was built and wrapped (the base included).
   std::vector<double> construction_rss_bytes;
   /// How each rank built the model (Strategy::construction): "sharded", or "whole: " and why.
   std::string construction;
+  int memory_limit_mib = 0;  ///< --memory-limit-mib (0: none)
   bool pool_buffers = true;       ///< FSDP: --pool-buffers
   std::string mesh;               ///< hsdp: "RxS" (replicas x shards); "" for every other strategy
   bool defer_all_reduce = false;  ///< hsdp: --defer-all-reduce

@@ -79,12 +79,15 @@ std::vector<at::Tensor> optimizer_parameters(Wrapper&, Model& model) {
 }
 std::vector<at::Tensor> optimizer_parameters(fsdp::FullyShardedModel& w, Model&) { return w.parameters(); }
 
-// Every parameter as one device holds it: a replica's own, or FSDP's gathered from the shards (a collective).
+// Every parameter as one device holds it, in registration order: a replica's own, or FSDP's gathered from the
+// shards one unit at a time (a collective).
 template <typename Wrapper>
-std::vector<at::Tensor> full_parameters_of(Wrapper&, Model& model) {
-  return model.parameters();
+void visit_full_parameters_of(Wrapper&, Model& model, const ParameterVisitor& visit) {
+  for (const auto& p : model.parameters()) visit(p);
 }
-std::vector<at::Tensor> full_parameters_of(fsdp::FullyShardedModel& w, Model&) { return w.full_parameters(); }
+void visit_full_parameters_of(fsdp::FullyShardedModel& w, Model&, const ParameterVisitor& visit) {
+  w.visit_full_parameters([&visit](size_t, const at::Tensor& p) { visit(p); });
+}
 
 // Bytes of every parameter, and of every trainable parameter's gradient: what a replica holds.
 MemoryFigures replica_memory(const Model& model) {
@@ -206,7 +209,9 @@ class WrappedRunner : public StepRunner {
     return loss_sum;
   }
 
-  std::vector<at::Tensor> full_parameters() override { return full_parameters_of(*wrapper_, *model_); }
+  void visit_full_parameters(const ParameterVisitor& visit) override {
+    visit_full_parameters_of(*wrapper_, *model_, visit);
+  }
   size_t buckets() const override { return bucket_count(*wrapper_); }
   MemoryFigures memory() const override { return memory_; }
   void set_timeline(Timeline* timeline) override {

@@ -27,14 +27,18 @@ struct MemoryFigures {
 };
 
 /// Trains one rank's share: owns the model, its data-parallel wrapper and the optimizer.
+/// What StepRunner::visit_full_parameters calls with each parameter.
+using ParameterVisitor = std::function<void(const at::Tensor& full)>;
+
 class StepRunner {
  public:
   virtual ~StepRunner() = default;
   /// One optimizer step on this rank's slice of the global batch (split into micro-batches); returns the mean
   /// loss over that slice.
   virtual double step(const Batch& local) = 0;
-  /// Every parameter of the full model (registration order), as a single device would hold it.
-  virtual std::vector<at::Tensor> full_parameters() = 0;
+  /// Calls `visit` with every parameter of the full model (registration order), as a single device would hold it;
+  /// the sharded strategies gather one unit at a time, so a model larger than one rank is never whole here.
+  virtual void visit_full_parameters(const ParameterVisitor& visit) = 0;
   /// Number of gradient buckets (0 for strategies without buckets).
   virtual size_t buckets() const { return 0; }
   /// Parameter and gradient memory per rank: the peak over the steps so far (measured by FSDP's accounting; a

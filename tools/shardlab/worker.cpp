@@ -12,16 +12,25 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <malloc.h>
+#include <pthread.h>
+#include <sys/resource.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <limits>
 #include <map>
+#include <new>
 #include <sstream>
 #include <string>
+#include <system_error>
 
 namespace shardlab::cli {
 namespace {
@@ -75,6 +84,65 @@ double status_bytes(const std::string& key) {
   return 0;
 }
 
+// Note [A rank's memory limit]
+// `--memory-limit-mib N` sets each worker's RLIMIT_DATA before anything else, for a run that shows what fits in a
+// rank's memory. RLIMIT_DATA rather than a cgroup's memory.max:
+//  - A cgroup's limit is enforced by the kernel's OOM killer: the process dies by SIGKILL with no message of its own.
+//    Under RLIMIT_DATA the allocation itself fails (brk and mmap return ENOMEM): libtorch throws "can't allocate
+//    memory", and the worker reports it naming the limit, on the thread that asked.
+//  - It is per process and unprivileged, so it works on any machine; a cgroup needs root or a delegated
+//    hierarchy, which CI containers often lack.
+//  - What it counts: since Linux 4.7, the private writable mappings (VmData): the heap, every anonymous mmap (every
+//    tensor), the threads' stacks, the libraries' writable data. That is virtual memory, not resident: a page
+//    mapped but never touched counts. So the limit is tighter than the resident figures of the report, and leaves
+//    room for the process's base (`base_data_bytes`: VmData when the limit is set, just before the model is built,
+//    with libtorch and Gloo's threads up).
+//  - Threads' stacks would dominate it: glibc gives each new thread a stack of RLIMIT_STACK (8 MiB here), all of it
+//    counted, and a worker runs dozens of threads (Gloo's, c10d's, libtorch's and OpenBLAS's pools) that use a few
+//    KiB each. Under a limit the worker first sets the default stack of the threads it will start to
+//    kThreadStack (2 MiB), so the limit measures the memory training holds. The main thread's stack is not
+//    changed, and runs the forward and the backward.
+constexpr size_t kThreadStack = size_t{2} << 20;
+
+//  - OpenBLAS maps a work buffer of some hundred MiB per thread on its first product, and when that fails it retries
+//    forever instead of failing. So the limit is set only once OpenBLAS has its buffers (one product first, with
+//    the rank's threads), and the report's base_data_bytes, VmData just then, includes them: the limit's room for
+//    training is the limit minus that base.
+//  - glibc's defaults hold much memory that no tensor uses: each thread that allocates gets an arena of its own,
+//    whose freed memory the others cannot reuse, and once a large block is freed the threshold above which blocks
+//    are mapped apart rises to its size, so later large tensors come from the heap and leave it fragmented. For
+//    the tiny GPT of 50M parameters on 4 ranks, FSDP needed 604 MiB of data memory with them and 467 MiB with one
+//    arena and every block of 1 MiB or more mapped apart (freed at once): so under a limit the worker sets both
+//    (mallopt), before any thread starts. It costs step time (every large tensor's pages are faulted in anew):
+//    this is a setting for a run that shows what fits, not for speed.
+void lean_allocations() {
+  if (mallopt(M_ARENA_MAX, 1) != 1 || mallopt(M_MMAP_THRESHOLD, 1 << 20) != 1)
+    throw std::runtime_error("--memory-limit-mib: could not set glibc's malloc options (mallopt)");
+  pthread_attr_t attr;
+  if (pthread_getattr_default_np(&attr) != 0 || pthread_attr_setstacksize(&attr, kThreadStack) != 0 ||
+      pthread_setattr_default_np(&attr) != 0)
+    throw std::runtime_error("--memory-limit-mib: could not set the threads' default stack size");
+  pthread_attr_destroy(&attr);
+}
+
+void limit_data_memory(int mib) {
+  at::mm(at::ones({256, 256}), at::ones({256, 256}));  // OpenBLAS's buffers, before the limit
+  const rlim_t bytes = static_cast<rlim_t>(mib) << 20;
+  const rlimit limit{bytes, bytes};
+  if (setrlimit(RLIMIT_DATA, &limit) != 0)
+    throw std::runtime_error("--memory-limit-mib " + std::to_string(mib) + ": setrlimit(RLIMIT_DATA) failed: " +
+                             std::strerror(errno));
+}
+
+// True for an allocation that failed: std::bad_alloc, libtorch's CPU allocator's error, or a thread whose stack
+// could not be mapped (std::system_error with EAGAIN).
+bool out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
+  if (const auto* system = dynamic_cast<const std::system_error*>(&e))
+    if (system->code() == std::errc::resource_unavailable_try_again) return true;
+  return std::string(e.what()).find("can't allocate memory") != std::string::npos;
+}
+
 // What a checkpoint of this run records beside the tensors: the steps done (where the data resumes: step k's
 // global batch is a function of k and the seed) and the settings a resumed run is compared against.
 std::map<std::string, std::string> checkpoint_metadata(const RunOptions& o, int steps_done) {
@@ -104,7 +172,10 @@ int resume_step(const std::map<std::string, std::string>& metadata, const std::s
                               "'; expected the count of steps done (a checkpoint of shardlab train)");
 }
 
-int run_worker(const RunOptions& options) {
+namespace {
+
+// The worker's run, under whatever limit run_worker set.
+int run_worker_unlimited(const RunOptions& options) {
   RunOptions o = options;
   const Strategy& strategy = find_strategy(o.strategy);
   // One process per GPU, as under torchrun: "cuda" means the GPU of this rank's LOCAL_RANK.
@@ -128,7 +199,9 @@ int run_worker(const RunOptions& options) {
     at::set_num_threads(o.threads);
     set_blas_threads(o.threads);
   }
+  if (o.memory_limit_mib > 0) limit_data_memory(o.memory_limit_mib);  // Note [A rank's memory limit]
   const double base_rss = status_bytes("VmRSS");  // Note [Peak RSS over the steady state]
+  const double base_data = status_bytes("VmData");  // what RLIMIT_DATA counts: Note [A rank's memory limit]
   auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
   const double construction_rss = status_bytes("VmHWM");  // the peak so far: the model built (and wrapped)
   int first_step = 0;  // --resume: the checkpoint's step, where this run's data starts
@@ -247,7 +320,7 @@ int run_worker(const RunOptions& options) {
     out << '\n';
   }
   out << "peak_rss_bytes " << steady_peak_rss << "\nrun_peak_rss_bytes " << run_peak_rss << "\nbase_rss_bytes "
-      << base_rss << "\nconstruction_rss_bytes " << construction_rss << "\n";
+      << base_rss << "\nconstruction_rss_bytes " << construction_rss << "\nbase_data_bytes " << base_data << "\n";
   const MemoryFigures mem = runner->memory();
   out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
       << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory
@@ -258,16 +331,32 @@ int run_worker(const RunOptions& options) {
                        recorder ? recorder->waits() : std::vector<WaitRecord>{}, runner->counters());
   }
   std::ofstream params(prefix + ".params", std::ios::binary);
-  for (const auto& p : runner->full_parameters()) {
+  runner->visit_full_parameters([&params](const at::Tensor& p) {  // one unit gathered at a time
     at::Tensor flat = p.detach().to(at::kDouble).cpu().contiguous().view({-1});
     params.write(reinterpret_cast<const char*>(flat.data_ptr<double>()),
                  static_cast<std::streamsize>(flat.numel() * sizeof(double)));
-  }
+  });
   if (!out || !params) {
     std::cerr << "cannot write results under " << o.result_dir << "\n";
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int run_worker(const RunOptions& options) {
+  if (options.memory_limit_mib > 0) lean_allocations();  // before any thread: Note [A rank's memory limit]
+  try {
+    return run_worker_unlimited(options);
+  } catch (const std::exception& e) {
+    if (options.memory_limit_mib <= 0 || !out_of_memory(e)) throw;
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);  // its what() carries a backtrace
+    throw std::runtime_error("out of memory: this rank's data memory is limited to " +
+                             std::to_string(options.memory_limit_mib) +
+                             " MiB (--memory-limit-mib, RLIMIT_DATA) and an allocation failed: " +
+                             (c10_error ? c10_error->what_without_backtrace() : e.what()));
+  }
 }
 
 }  // namespace shardlab::cli

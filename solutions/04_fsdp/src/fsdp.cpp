@@ -133,6 +133,21 @@ std::vector<at::Tensor> FullyShardedModel::full_parameters() {
   return out;
 }
 
+void FullyShardedModel::visit_full_parameters(const std::function<void(size_t, const at::Tensor&)>& visit) {
+  check_usable("visit_full_parameters");
+  size_t held = units_.size();  // the unit whose full values `full` holds (none yet)
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const auto [u, k] = order_[i];
+    if (u != held) {
+      full.clear();  // the previous unit's go first
+      full = units_[u]->gather_full_parameters();
+      held = u;
+    }
+    visit(i, full[k]);
+  }
+}
+
 double FullyShardedModel::clip_grad_norm(double max_norm, double p) {
   check_usable("clip_grad_norm");
   if (!sync_enabled_)

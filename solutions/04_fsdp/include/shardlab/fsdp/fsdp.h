@@ -211,6 +211,12 @@ class FullyShardedModel {
   /// Every parameter's full values in the original dtype, in the model's registration order (fresh tensors).
   /// A collective: every rank must call it.
   std::vector<at::Tensor> full_parameters();
+  /// full_parameters for a model larger than one rank: calls `visit(index, full)` for every parameter in
+  /// registration order (`index` counts them from 0), gathering a unit's full values when its first parameter comes
+  /// and dropping them when the order moves to another unit, so at most one unit's full values are held (a unit
+  /// the order comes back to is gathered again). `full` is fresh, in the original dtype; `visit` may keep it. A
+  /// collective: every rank must call it.
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit);
   /// The model as one device holds it, named: (full name, fresh full tensor) for every parameter in registration
   /// order (a tied weight under each of its names), then every buffer: PyTorch's state_dict() of the unsharded
   /// model. A collective: every rank must call it.
