@@ -68,6 +68,11 @@ constexpr int kFormatVersion = 1;
 constexpr const char* kFormatName = "shardlab.checkpoint";
 constexpr const char* kIndexName = "index.json";
 constexpr const char* kCrcKey = "shardlab.crc32.";  // full checkpoints: "__metadata__" key of a tensor's CRC-32
+// Full files: the "__metadata__" key Hugging Face's transformers requires, and the value it requires for PyTorch's
+// tensors (it refuses a safetensors file whose metadata lacks it). Written into every full file; a user's metadata
+// may not give it another value, and a load does not hand it back as the user's.
+constexpr const char* kFormatKey = "format";
+constexpr const char* kFormatPt = "pt";
 // The save's own siblings of a checkpoint (names no user picks by chance: they are removed without asking).
 constexpr const char* kStagingSuffix = ".shardlab-partial";
 constexpr const char* kOldSuffix = ".shardlab-old";
@@ -199,6 +204,9 @@ void swap_into_place(const std::string& staging, const std::string& dir) {
 // Rank 0, step 1: a fresh staging directory; `dir` must be a checkpoint or absent.
 void prepare_staging(const std::string& dir, const std::string& staging) {
   std::error_code ec;
+  if (const std::string file = file_in_the_way(dir); !file.empty())
+    throw std::invalid_argument("cannot save a checkpoint into '" + dir + "': '" + file +
+                                "' is a file, not a directory");
   if (fs::exists(dir, ec)) {
     if (!fs::is_directory(dir, ec))
       throw std::invalid_argument("'" + dir + "' exists and is not a directory; not replacing it");
@@ -366,7 +374,7 @@ CheckpointIndex index_from_file(const std::string& file) {
   index.path = file;
   index.files[file] = reader.header().file_bytes;
   for (const auto& [key, value] : reader.header().metadata)
-    if (key.rfind(kCrcKey, 0) != 0) index.metadata[key] = value;
+    if (key.rfind(kCrcKey, 0) != 0 && !(key == kFormatKey && value == kFormatPt)) index.metadata[key] = value;
   for (const auto& [name, info] : reader.header().tensors) {
     SavedTensor saved;
     saved.dtype = info.dtype;
@@ -375,6 +383,7 @@ CheckpointIndex index_from_file(const std::string& file) {
     const auto crc = reader.header().metadata.find(kCrcKey + name);
     if (crc != reader.header().metadata.end()) {
       piece.has_crc = true;
+      piece.crc_in_file = true;
       piece.crc32 =
           static_cast<uint32_t>(parse_count(crc->second, 0xffffffffLL, "file '" + file + "' metadata " + crc->first));
     }
@@ -410,9 +419,12 @@ class Pieces {
     info(name, saved, piece);
     const uint32_t crc = reader(piece.file).crc32(name);
     if (crc != piece.crc32)
-      throw std::runtime_error("file '" + piece.file + "' is corrupt: the CRC-32 of '" + name + "' (rows " +
-                               std::to_string(piece.first_row) + ".." + std::to_string(piece.first_row + piece.rows) +
-                               ") is " + std::to_string(crc) + ", the index recorded " + std::to_string(piece.crc32));
+      // A full file records its CRC-32s in its own metadata; a sharded checkpoint, in its index.json.
+      throw std::runtime_error("file '" + piece.file + "' is corrupt: the CRC-32 of '" + name + "' (rows [" +
+                               std::to_string(piece.first_row) + ", " + std::to_string(piece.first_row + piece.rows) +
+                               "), half-open) is " + std::to_string(crc) + ", " +
+                               (piece.crc_in_file ? "the file's metadata" : "the index") + " recorded " +
+                               std::to_string(piece.crc32));
   }
 
   // Rows [first, first + dst.size(0)) of saved tensor `name` into `dst` (contiguous CPU, the saved dtype).
@@ -481,6 +493,12 @@ c10::Device collective_device(const Communicator& comm, const ShardedState& stat
 
 void write_full_file(const std::string& file, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                      std::map<std::string, std::string> metadata) {
+  const auto format = metadata.find(kFormatKey);
+  if (format != metadata.end() && format->second != kFormatPt)
+    throw std::invalid_argument("metadata key '" + std::string(kFormatKey) + "' is '" + format->second +
+                                "'; in a full safetensors file it is reserved for \"" + kFormatPt +
+                                "\", which Hugging Face's transformers requires: keep your value under another key");
+  metadata[kFormatKey] = kFormatPt;
   for (const auto& [name, t] : tensors) {
     const at::Tensor c = cpu_contiguous(t);
     metadata[kCrcKey + name] = std::to_string(safetensors::crc32(c.data_ptr(), c.numel() * c.element_size()));
@@ -493,6 +511,15 @@ void write_full_file(const std::string& file, const std::vector<std::pair<std::s
 }
 
 }  // namespace
+
+std::string file_in_the_way(const std::string& dir) {
+  std::error_code ec;
+  for (fs::path p = fs::absolute(dir, ec).parent_path(); !p.empty(); p = p.parent_path()) {
+    if (fs::exists(p, ec)) return fs::is_directory(p, ec) ? "" : p.string();
+    if (p == p.root_path()) break;
+  }
+  return "";
+}
 
 CheckpointIndex read_checkpoint_index(const std::string& path_in) {
   const std::string path = without_trailing_slash(path_in);

@@ -37,8 +37,9 @@ Batch Batch::to(const c10::Device& device) const { return Batch{input.to(device)
 //
 // So the model is built one unit at a time instead. The constructor builds a unit, initializes it and registers it;
 // `register_unit` hands it to the wrapper (UnitBuildScope), which copies this rank's rows into its shard and gives
-// the registered tensors 0-byte storage; then the next unit is built. The peak is the shards so far plus one unit,
-// whatever the model's size, and no module needs to change: a user's model only initializes each unit before
+// the registered tensors 0-byte storage; then the next unit is built. The peak is the shards so far plus about two
+// units (the one being built, and its gathered buffer, which the steady state holds anyway), whatever the model's
+// size, and no module needs to change: a user's model only initializes each unit before
 // registering it. Every rank draws every value, in one device's order, and keeps its own rows, so the values are
 // one device's at every world size and mesh shape, and ranks agree with no broadcast. The price is the CPU time of
 // initializing the whole model on every rank, which one device pays too.
@@ -85,7 +86,7 @@ void Initializer::fill_tensors(const std::vector<std::pair<std::string, at::Tens
                                const std::vector<at::Tensor>& buffers) {
   torch::NoGradGuard no_grad;
   for (const auto& [name, p] : params) {
-    filled_.insert(p.unsafeGetTensorImpl());
+    if (filled_.insert(p.unsafeGetTensorImpl()).second) keep_.push_back(p);
     if (p.dim() >= 2) {
       p.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(p.size(1))), gen_);
     } else if (ends_with(name, "bias")) {
@@ -97,7 +98,7 @@ void Initializer::fill_tensors(const std::vector<std::pair<std::string, at::Tens
     }
   }
   for (const auto& b : buffers) {
-    filled_.insert(b.unsafeGetTensorImpl());
+    if (filled_.insert(b.unsafeGetTensorImpl()).second) keep_.push_back(b);
     if (at::isFloatingType(b.scalar_type())) b.uniform_(0.5, 1.5, gen_);
   }
 }

@@ -392,7 +392,7 @@ TEST(Checkpoint, ABrokenCheckpointIsRefusedOnEveryRankBeforeAnythingChanges) {
          f.seekp(-5, std::ios::end);
          f.put(static_cast<char>(byte ^ 0x40));
        },
-       false, "corrupt"},
+       false, "), half-open) is "},  // "... is corrupt: the CRC-32 of 'x' (rows [a, b), half-open) is ..."
       {"incomplete", [&](const std::string& d) { fs::remove(d + "/" + file1); }, false, file1},
       {"another model",
        [&](const std::string& d) {
@@ -454,6 +454,15 @@ TEST(Checkpoint, AnUnfinishedSaveLeavesThePreviousCheckpointAndUserFilesAreNever
         train(ddp, *opt, comm, c, 0, 1);
         ddp.save_checkpoint(ckpt, opt.get());
         EXPECT_THROW(ddp.save_checkpoint(dir / "mine", opt.get()), std::invalid_argument) << "rank " << comm.rank();
+        // Under a regular file: the error names the file, not a staging path std::filesystem could not make.
+        try {
+          ddp.save_checkpoint(dir / "mine/notes.txt/deeper/ckpt", opt.get());
+          ADD_FAILURE() << "saved under a regular file";
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("'" + dir / "mine/notes.txt" + "' is a file, not a directory"),
+                    std::string::npos)
+              << e.what();
+        }
       },
       test_group());
   first = contents(ckpt);
@@ -495,6 +504,11 @@ TEST(Checkpoint, AFullCheckpointHoldsTheWholeModelUnderItsNames) {
       },
       test_group());
   const auto file = safetensors::load_file(dir / "model.safetensors");
+  // Hugging Face's transformers refuses a safetensors file whose metadata lacks "format": "pt"; a load does not
+  // hand it back as the user's metadata.
+  const safetensors::Reader reader(dir / "model.safetensors");
+  EXPECT_EQ(reader.header().metadata.count("format") ? reader.header().metadata.at("format") : "(none)", "pt");
+  EXPECT_EQ(read_checkpoint_index(dir / "model.safetensors").metadata.count("format"), 0U);
   auto single = make_model(c.model, c.seed + 3);
   size_t i = 0;
   for (const auto& item : single->named_parameters()) {

@@ -151,6 +151,8 @@ expect([shardlab, "bench", "--repeat", "2", "--repeat", "0"], 2, "--repeat: expe
 expect([shardlab, "bench", "--out", "/nonexistent-dir/bench"], 2, "--out: expects a PREFIX to write PREFIX.md and PREFIX.json in an existing directory")
 expect([shardlab, "train", "--resume", "/tmp"], 2, "got '/tmp', a directory without index.json")
 expect([shardlab, "train", "--save", "/etc/passwd/x"], 2, "--save expects a directory to make")
+expect([shardlab, "train", "--save", "/etc/passwd/deeper/x"], 2,
+       "--save expects a directory to make; got '/etc/passwd/deeper/x' ('/etc/passwd' is a file, not a directory)")
 
 
 def every_option_refuses_a_bad_value():

@@ -4,6 +4,7 @@
 
 #include "strategies.h"
 
+#include "shardlab/common/checkpoint.h"
 #include "shardlab/common/device.h"
 #include "shardlab/common/model.h"
 #include "shardlab/common/model_factory.h"
@@ -293,9 +294,9 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
       throw std::invalid_argument(
           "--save expects a new or empty directory, or a checkpoint to replace; got '" + o.save_dir + "', which is " +
           (fs::is_directory(dir, ec) ? "a directory with other files (no index.json)" : "not a directory"));
-    if (fs::exists(parent, ec) && !fs::is_directory(parent, ec))
-      throw std::invalid_argument("--save expects a directory to make; got '" + o.save_dir + "' ('" + parent.string() +
-                                  "' is not a directory)");
+    if (const std::string file = file_in_the_way(o.save_dir); !file.empty())
+      throw std::invalid_argument("--save expects a directory to make; got '" + o.save_dir + "' ('" + file +
+                                  "' is a file, not a directory)");
     if (fs::is_directory(parent, ec) && access(parent.c_str(), W_OK) != 0)
       throw std::invalid_argument("--save expects a directory it can write beside; got '" + o.save_dir + "' ('" +
                                   parent.string() + "' is not writable)");

@@ -51,7 +51,7 @@ double sent_bytes(const CollectiveRecord& r) {
 
 // Note [Peak RSS over the steady state]
 // What a user's operating system sees is the process's resident memory, not the sum of the buffers a meter counts:
-// the allocator's retained heap, libtorch's and Gloo's own, the activations. Three figures per worker:
+// the allocator's retained heap, libtorch's and Gloo's own, the activations. Four figures per worker:
 //  - the base: VmRSS once the process groups exist, before the model is built (libtorch, Gloo, the data);
 //  - the construction's peak: VmHWM once the model is built and wrapped (the process's peak so far);
 //  - the steady peak, over the second half of the steps: Linux resets a process's VmHWM to its current RSS when "5"
@@ -59,7 +59,8 @@ double sent_bytes(const CollectiveRecord& r) {
 //    the write (some sandboxes), the most VmRSS seen at the end of each step stands in for it (a lower bound: a peak
 //    inside a step can be missed);
 //  - the run's peak: the larger of VmHWM just before that reset (construction, a checkpoint loaded, the first half
-//    of the steps) and VmHWM at the end of the steps, so construction is included. It ends with the last step: what
+//    of the steps) and VmHWM at the end of the steps (the checkpoints saved between them included), so
+//    construction is included. It ends with the last step: what
 //    the worker then sends the driver (every parameter gathered, to compare with one device) is the tool's check, not
 //    training. A whole model built before sharding shows here and in the construction's peak, not in the steady
 //    peak.
@@ -134,13 +135,15 @@ void limit_data_memory(int mib) {
                              std::strerror(errno));
 }
 
-// True for an allocation that failed: std::bad_alloc, libtorch's CPU allocator's error, or a thread whose stack
-// could not be mapped (std::system_error with EAGAIN).
+// True for an allocation of this rank's that failed: std::bad_alloc, libtorch's CPU allocator's error (a c10::Error),
+// or a thread whose stack could not be mapped (std::system_error with EAGAIN). Not another rank's failure, which
+// reaches this one as a std::runtime_error quoting it.
 bool out_of_memory(const std::exception& e) {
   if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
   if (const auto* system = dynamic_cast<const std::system_error*>(&e))
     if (system->code() == std::errc::resource_unavailable_try_again) return true;
-  return std::string(e.what()).find("can't allocate memory") != std::string::npos;
+  return dynamic_cast<const c10::Error*>(&e) != nullptr &&
+         std::string(e.what()).find("can't allocate memory") != std::string::npos;
 }
 
 // What a checkpoint of this run records beside the tensors: the steps done (where the data resumes: step k's
@@ -199,6 +202,7 @@ int run_worker_unlimited(const RunOptions& options) {
     at::set_num_threads(o.threads);
     set_blas_threads(o.threads);
   }
+  auto data = make_dataset(o.train.model, o.train.seed);  // before the base, which counts it
   if (o.memory_limit_mib > 0) limit_data_memory(o.memory_limit_mib);  // Note [A rank's memory limit]
   const double base_rss = status_bytes("VmRSS");  // Note [Peak RSS over the steady state]
   const double base_data = status_bytes("VmData");  // what RLIMIT_DATA counts: Note [A rank's memory limit]
@@ -216,7 +220,6 @@ int run_worker_unlimited(const RunOptions& options) {
   Timeline timeline;
   runner->set_timeline(o.trace_dir.empty() ? nullptr : &timeline);
   const size_t setup = recorder ? recorder->size() : 0;
-  auto data = make_dataset(o.train.model, o.train.seed);
 
   std::vector<double> losses, step_ms;
   std::vector<int64_t> step_starts_ns;  // and the end of the last step: per-step communication figures

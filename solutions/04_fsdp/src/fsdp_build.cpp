@@ -4,7 +4,6 @@
 // below.
 #include "shardlab/fsdp/fsdp.h"
 
-#include "shardlab/common/errors.h"
 #include "shardlab/common/model_check.h"
 #include "shardlab/common/progress.h"
 #include "shardlab/common/text_gather.h"
@@ -203,6 +202,9 @@ FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& co
   } catch (const std::exception& e) {
     failure = std::current_exception();
     error = e.what();
+  } catch (...) {  // every rank must still hear of it
+    failure = std::current_exception();
+    error = "an exception that is not a std::exception";
   }
   // Note [Sharded construction]: every rank hears of a build that failed anywhere before the structure check.
   const std::vector<std::string> errors = all_gather_text(agreement_group(), error);
@@ -216,12 +218,15 @@ FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& co
   const size_t root = model_->units().size();
   for (size_t u = 0; u < root; ++u) {  // what the build sharded is what the finished model assigns
     const auto& built = units_[u]->params();
-    SHARDLAB_INTERNAL_ASSERT(built.size() == groups[u].size(), "unit '" + units_[u]->name() + "' was sharded with " +
-                                                         std::to_string(built.size()) + " parameters; it has " +
-                                                         std::to_string(groups[u].size()));
-    for (size_t k = 0; k < built.size(); ++k)
-      SHARDLAB_INTERNAL_ASSERT(built[k].param.unsafeGetTensorImpl() == groups[u][k].second.unsafeGetTensorImpl(),
-                     "unit '" + units_[u]->name() + "' parameter " + std::to_string(k) + " differs from the model's");
+    bool same = built.size() == groups[u].size();
+    for (size_t k = 0; same && k < built.size(); ++k)
+      same = built[k].param.unsafeGetTensorImpl() == groups[u][k].second.unsafeGetTensorImpl() &&
+             built[k].trainable == groups[u][k].second.requires_grad();
+    // The same on every rank (the structures were compared): every rank throws it.
+    if (!same)
+      throw std::invalid_argument("FullyShardedModel: unit '" + units_[u]->name() + "' changed after it was "
+                                  "registered (a parameter added, replaced or frozen): it was sharded as it was "
+                                  "then. Finish each unit, its requires_grad included, before register_unit");
   }
   has_root_ = !groups[root].empty();
   if (has_root_) {

@@ -2,12 +2,9 @@
 
 #include "shardlab/common/errors.h"
 #include "shardlab/common/grad_clip.h"
-#include "shardlab/common/model_check.h"
 #include "shardlab/common/progress.h"
-#include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/core/grad_mode.h>
-#include <c10/core/TensorImpl.h>
 
 #include <algorithm>
 #include <exception>
@@ -83,121 +80,6 @@ const char* to_string(SchedulePoint point) {
   return "?";
 }
 
-FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options)
-    : model_(std::move(model)), comm_(comm), options_(std::move(options)) {
-  if (!model_) throw std::invalid_argument("FullyShardedModel: expected a model; got a null pointer");
-  // First, over the group that broadcasts (HSDP: the world): the checks below depend on the model, and a rank must
-  // not fail one alone while the others wait. Note [Comparing the ranks' models].
-  Communicator& broadcast_group = options_.broadcast_group != nullptr ? *options_.broadcast_group : comm_;
-  check_same_model(*model_, broadcast_group, "FullyShardedModel");
-  if (!options_.reducer) options_.reducer = hook_reducers("reduce_scatter");
-  if (options_.pool_buffers) pool_ = std::make_unique<BufferPool>();  // CPU buffers only; CUDA has its own cache
-
-  // Which unit owns each parameter: the model's units in order, then the root (index = number of units).
-  std::vector<Unit>& slots = model_->units();
-  const size_t root = slots.size();
-  std::map<const c10::TensorImpl*, size_t> unit_of;
-  std::map<const c10::TensorImpl*, std::string> name_in_unit;  // its full model name in the unit that came first
-  for (size_t u = 0; u < slots.size(); ++u) {
-    for (const auto& item : slots[u].module->named_parameters(/*recurse=*/true)) {
-      const std::string full = slots[u].name + "." + item.key();
-      auto [it, fresh] = unit_of.emplace(item.value().unsafeGetTensorImpl(), u);
-      if (fresh) name_in_unit.emplace(item.value().unsafeGetTensorImpl(), full);
-      if (!fresh && it->second != u)
-        throw std::invalid_argument("FullyShardedModel: parameter '" + full + "' is also '" +
-                                    name_in_unit.at(item.value().unsafeGetTensorImpl()) + "': it belongs to units '" +
-                                    slots[it->second].name + "' and '" + slots[u].name +
-                                    "'; a parameter may be sharded in one unit only (register the shared module in "
-                                    "one unit, or keep it in the root)");
-    }
-  }
-  // The unit a registration belongs to, from its name ("block0.fc.weight" is in unit "block0"); the root otherwise.
-  auto unit_by_name = [&](const std::string& key) {
-    for (size_t u = 0; u < slots.size(); ++u)
-      if (key.compare(0, slots[u].name.size() + 1, slots[u].name + ".") == 0) return u;
-    return root;
-  };
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> groups(root + 1);
-  std::map<const c10::TensorImpl*, std::pair<size_t, size_t>> placed;
-  std::map<const c10::TensorImpl*, std::string> first_name;
-  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
-    const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
-    auto found = placed.find(impl);
-    if (found == placed.end()) {  // a tensor registered twice is managed once, under its first name
-      auto it = unit_of.find(impl);
-      const size_t u = it == unit_of.end() ? root : it->second;
-      found = placed.emplace(impl, std::make_pair(u, groups[u].size())).first;
-      first_name.emplace(impl, item.key());
-      groups[u].emplace_back(item.key(), item.value());
-    } else if (unit_by_name(item.key()) != unit_by_name(first_name[impl])) {
-      // Registered inside a unit and outside it: the outside use would read the unit's freed storage.
-      throw std::invalid_argument("FullyShardedModel: parameter '" + first_name[impl] + "' is also registered as '" +
-                                  item.key() +
-                                  "', in another unit or the root; a unit's parameters are gathered "
-                                  "only while that unit runs. Keep a shared parameter in the root (the tiny GPT's "
-                                  "tied embedding) or in one unit that all its uses run in");
-    }
-    order_.push_back(found->second);
-  }
-  // Check every unit before changing any: a failure must leave the model as it was.
-  for (size_t u = 0; u < root; ++u) {
-    if (groups[u].empty())
-      throw std::invalid_argument("FullyShardedModel: unit '" + slots[u].name +
-                                  "' has no parameters; register it with register_module instead");
-    FsdpUnit::validate(slots[u].name, groups[u]);
-  }
-  if (!groups[root].empty()) FsdpUnit::validate("root", groups[root]);
-  // One reducer per unit (the root last, when it has parameters), in units() order, before any unit exists.
-  has_root_ = !groups[root].empty();
-  const size_t count = has_root_ ? root + 1 : root;
-  auto unit_name = [&](size_t u) { return u == root ? std::string("root") : slots[u].name; };
-  std::vector<std::shared_ptr<GradientReducer>> reducers;
-  for (size_t u = 0; u < count; ++u) {
-    reducers.push_back(options_.reducer(ReducerRequest{unit_name(u), u, &comm_}));
-    if (!reducers.back())
-      throw std::invalid_argument("FullyShardedModel: Options::reducer gave no reducer for unit '" + unit_name(u) +
-                                  "'; expected one per unit");
-  }
-  // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
-  naive_ddp::broadcast_state(*model_, broadcast_group, naive_ddp::StructureCheck::kAlreadyCompared);
-  for (size_t u = 0; u < count; ++u)
-    units_.push_back(std::make_unique<FsdpUnit>(unit_name(u), groups[u], comm_, options_.mixed_precision,
-                                                std::move(reducers[u]), meter_, pool_.get()));
-  for (size_t u = 0; u < units_.size(); ++u) {
-    units_[u]->set_event_sink([this, u](UnitEventKind kind) {
-      const uint64_t seq = events_++;
-      if (observer_) observer_(UnitEvent{kind, u, seq});
-    });
-  }
-
-  for (size_t u = 0; u < root; ++u) {
-    inner_forward_.push_back(slots[u].forward);
-    slots[u].forward = [this, u](const at::Tensor& x) {
-      pre_forward(u);
-      progress_point();  // a prefetched all-gather may be in flight: Note [Progress points in forward]
-      // Mixed precision: a floating input is cast to the policy's param dtype when one is set (FSDP2's
-      // cast_forward_inputs: the policy's dtype, not the unit's clamped one; no policy, no cast).
-      const std::optional<c10::ScalarType>& compute = options_.mixed_precision.param_dtype;
-      const bool cast = compute && x.defined() && c10::isFloatingType(x.scalar_type()) && x.scalar_type() != *compute;
-      at::Tensor y = inner_forward_[u](cast ? x.to(*compute) : x);
-      progress_point();
-      post_forward(u, y);
-      return y;
-    };
-  }
-  for (size_t u = 0; u < units_.size(); ++u) {
-    const auto& ps = units_[u]->params();
-    for (size_t k = 0; k < ps.size(); ++k) {
-      if (!ps[k].trainable) continue;
-      watched_.push_back(ps[k].param);
-      owner_.emplace_back(u, k);
-    }
-  }
-  readiness_ = std::make_unique<GradientReadiness>(
-      watched_, [this](size_t g) { on_gradient_ready(g); }, [this] { end_of_backward(); });
-  reset_iteration();
-}
-
 FullyShardedModel::~FullyShardedModel() {
   wait_all(pending_);  // they write into the units' buffers; backward reported (or will report) any error
   std::vector<Unit>& slots = model_->units();
@@ -249,6 +131,21 @@ std::vector<at::Tensor> FullyShardedModel::full_parameters() {
   std::vector<at::Tensor> out;
   for (const auto& [u, k] : order_) out.push_back(full[u][k]);
   return out;
+}
+
+void FullyShardedModel::visit_full_parameters(const std::function<void(size_t, const at::Tensor&)>& visit) {
+  check_usable("visit_full_parameters");
+  size_t held = units_.size();  // the unit whose full values `full` holds (none yet)
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const auto [u, k] = order_[i];
+    if (u != held) {
+      full.clear();  // the previous unit's go first
+      full = units_[u]->gather_full_parameters();
+      held = u;
+    }
+    visit(i, full[k]);
+  }
 }
 
 double FullyShardedModel::clip_grad_norm(double max_norm, double p) {

@@ -5,7 +5,11 @@
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/prefetch/prefetch.h"
 
+#include "shardlab/common/text_gather.h"
+
 #include <ATen/ATen.h>
+
+#include <exception>
 
 #include <stdexcept>
 
@@ -87,27 +91,76 @@ void DataParallel::set_requires_all_reduce(bool requires_all_reduce) {
   hsdp::set_requires_all_reduce(*sharded_, requires_all_reduce);
 }
 
-std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
-  if (!model) throw std::invalid_argument("parallelize: expected a model; got null");
-  if (mesh.shard_size() == 1) {  // DDP over the replicas (every rank, since S = 1)
-    if (policy.mixed_precision.param_dtype || policy.mixed_precision.reduce_dtype)
-      throw std::invalid_argument("parallelize: a " + mesh.to_string() +
-                                  " mesh (shard size 1) gives DDP, which computes and reduces in the parameters' "
-                                  "dtype; expected no mixed precision, or a mesh with S > 1 (FSDP or HSDP)");
-    bucketed_ddp::Options options;
-    options.find_unused_parameters = policy.reduction.allow_unused_parameters;
-    if (policy.reduction.wire != hsdp::Wire::kReduceDtype) {
-      const std::string hook = policy.reduction.wire == hsdp::Wire::kFloat16 ? "fp16" : "bf16";
-      options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, mesh.replicate_group()));
-    }
-    auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, mesh.replicate_group(), std::move(options));
-    return std::make_unique<DataParallel>(std::move(model), mesh, std::move(ddp));
+namespace {
+
+// S = 1: stage 02's bucketed DDP over the replicas (every rank, since S = 1).
+std::unique_ptr<DataParallel> replicated(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
+  bucketed_ddp::Options options;
+  options.find_unused_parameters = policy.reduction.allow_unused_parameters;
+  if (policy.reduction.wire != hsdp::Wire::kReduceDtype) {
+    const std::string hook = policy.reduction.wire == hsdp::Wire::kFloat16 ? "fp16" : "bf16";
+    options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, mesh.replicate_group()));
   }
-  fsdp::Options options;  // FSDP (R = 1: no all-reduce at all) or HSDP
+  auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, mesh.replicate_group(), std::move(options));
+  return std::make_unique<DataParallel>(std::move(model), mesh, std::move(ddp));
+}
+
+void check_policy(const Mesh& mesh, const ParallelPolicy& policy) {
+  if (mesh.shard_size() == 1 && (policy.mixed_precision.param_dtype || policy.mixed_precision.reduce_dtype))
+    throw std::invalid_argument("parallelize: a " + mesh.to_string() +
+                                " mesh (shard size 1) gives DDP, which computes and reduces in the parameters' "
+                                "dtype; expected no mixed precision, or a mesh with S > 1 (FSDP or HSDP)");
+}
+
+// S > 1: FSDP (R = 1: no all-reduce at all) or HSDP.
+fsdp::Options sharded_options(const ParallelPolicy& policy) {
+  fsdp::Options options;
   options.mixed_precision = policy.mixed_precision;
   options.reshard_after_forward = policy.reshard.after_forward;
   options.allow_unused_parameters = policy.reduction.allow_unused_parameters;
-  auto sharded = hsdp::fully_shard_hybrid(model, mesh, options, policy.reduction.wire);
+  return options;
+}
+
+}  // namespace
+
+std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
+  if (!model) throw std::invalid_argument("parallelize: expected a model; got null");
+  check_policy(mesh, policy);
+  if (mesh.shard_size() == 1) return replicated(std::move(model), mesh, policy);
+  auto sharded = hsdp::fully_shard_hybrid(model, mesh, sharded_options(policy), policy.reduction.wire);
+  prefetch::enable_prefetch(*sharded, policy.prefetch);
+  return std::make_unique<DataParallel>(std::move(model), mesh, std::move(sharded));
+}
+
+std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh, const ParallelPolicy& policy,
+                                          const c10::Device& device) {
+  if (!build) throw std::invalid_argument("parallelize: expected a model builder; got an empty function");
+  check_policy(mesh, policy);
+  std::shared_ptr<Model> model;
+  const ModelBuilder keep = [&] { return model = build(); };
+  if (mesh.shard_size() == 1) {  // DDP holds the whole model on every rank: built whole, then broadcast as always
+    std::exception_ptr failure;
+    std::string error;  // failure's message ("" when this rank built): every rank hears of it, nothing waits
+    try {
+      keep();
+      if (!model) throw std::invalid_argument("parallelize: the model builder returned a null pointer");
+      model->to(device);
+    } catch (const std::exception& e) {
+      failure = std::current_exception();
+      error = e.what();
+    } catch (...) {
+      failure = std::current_exception();
+      error = "an exception that is not a std::exception";
+    }
+    const std::vector<std::string> errors = all_gather_text(mesh.world().world(), error);
+    if (failure) std::rethrow_exception(failure);
+    for (size_t r = 0; r < errors.size(); ++r)
+      if (!errors[r].empty())
+        throw std::runtime_error("parallelize: rank " + std::to_string(r) +
+                                 " could not build its model, so no rank goes on: " + errors[r]);
+    return replicated(std::move(model), mesh, policy);
+  }
+  auto sharded = hsdp::fully_shard_hybrid(keep, mesh, sharded_options(policy), policy.reduction.wire, device);
   prefetch::enable_prefetch(*sharded, policy.prefetch);
   return std::make_unique<DataParallel>(std::move(model), mesh, std::move(sharded));
 }

@@ -53,6 +53,7 @@ struct SavedPiece {
   int64_t rows = 0;       ///< its rows (1 for a 0-dim tensor)
   bool has_crc = false;   ///< false for a safetensors file shardlab did not write (no CRC to check)
   uint32_t crc32 = 0;     ///< the CRC-32 of the piece's bytes, as the index records it
+  bool crc_in_file = false;  ///< the CRC-32 came from the file's own metadata (a full file), not an index.json
 };
 
 /// One saved tensor: what the checkpoint holds of it.
@@ -76,6 +77,11 @@ struct CheckpointIndex {
 /// collective.
 /// @throws std::runtime_error naming the file when it is missing, unreadable or malformed.
 CheckpointIndex read_checkpoint_index(const std::string& path);
+
+/// The nearest ancestor of `dir` that exists, when it is not a directory (a regular file in the way of making
+/// `dir`); "" when the nearest existing ancestor is a directory. A save checks it first, so that the error names
+/// the file instead of a staging path std::filesystem could not make.
+std::string file_in_the_way(const std::string& dir);
 
 /// What save_checkpoint calls on every rank, first, with its copy of the state: it may add to it (an optimizer's
 /// state) or throw std::invalid_argument, which every rank then throws before anything is written.

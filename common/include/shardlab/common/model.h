@@ -61,7 +61,8 @@ using UnitBuilt = std::function<void(Unit& unit)>;
 /// scope's function with the unit it just registered, before register_unit returns. FSDP shards the unit there, so
 /// that its full values are gone before the model builds the next one (Note [Building a model unit by unit] in
 /// model.cpp). A model built this way must give each unit its initial values *before* registering it (Initializer
-/// shows how). Thread-local: the model is built on the thread that made the scope. Scopes do not nest.
+/// shows how). Thread-local: the model is built on the thread that made the scope, and every model built there
+/// while the scope lives hands its units over (build only the one model inside a scope). Scopes do not nest.
 class UnitBuildScope {
  public:
   /// Installs `on_unit` for this thread. @throws std::logic_error when a scope already lives on this thread.
@@ -173,7 +174,8 @@ class Initializer {
     return module;
   }
   /// Fills what is left of the root: every parameter of `model` outside its units that this initializer has not
-  /// filled yet, then every such buffer.
+  /// filled yet, then every such buffer. (A tensor registered under two names, once in a part already filled, is
+  /// not drawn again here, where init_parameters would draw it twice.)
   void fill_root(Model& model);
 
  private:
@@ -181,6 +183,7 @@ class Initializer {
                     const std::vector<at::Tensor>& buffers);
   at::Generator gen_;
   std::unordered_set<const void*> filled_;  // the tensors filled so far (TensorImpl)
+  std::vector<at::Tensor> keep_;            // ... kept alive, so that no new tensor takes a filled one's address
 };
 
 /// Which of a module's tensors named_state lists.

@@ -184,7 +184,8 @@ class FullyShardedModel {
   FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options = {});
   /// Sharded construction, for a model larger than one rank (Note [Building a model unit by unit] in common, Note
   /// [Sharded construction] in fsdp_build.cpp): calls `build` once inside a UnitBuildScope and shards each unit
-  /// the moment the model registers it, so no rank ever holds more than its shards, one unit and the root. Nothing
+  /// the moment the model registers it, so no rank ever holds more than its shards, about two units (the one being
+  /// built, and its gathered buffer) and the root. Nothing
   /// is broadcast: every rank's builder must give the same values (the same seed), as the shipped models do at any
   /// world size; the structure check after the build catches ranks that disagree on the structure. The wrapper is
   /// then the one the other constructor makes from the same model.

@@ -37,6 +37,8 @@
 #include "shardlab/fsdp/reducer.h"
 #include "shardlab/naive_ddp/no_sync.h"
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -101,9 +103,11 @@ struct Options {
                                             ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
   Communicator* broadcast_group = nullptr;  ///< the group construction broadcasts rank 0's state over, after every
                                             ///< check (null: the wrapper's own; HSDP: the whole world, so that
-                                            ///< every replica starts alike). It must contain the wrapper's group,
-                                            ///< every rank of it constructing too: not checked (a Communicator
-                                            ///< knows no global ranks); a wrong one trains mixed replicas
+                                            ///< every replica starts alike); sharded construction broadcasts
+                                            ///< nothing and compares the structure over it. It must contain the
+                                            ///< wrapper's group, every rank of it constructing too: not checked (a
+                                            ///< Communicator knows no global ranks); a wrong one trains mixed
+                                            ///< replicas
   bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
   bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
                                             ///< instead of malloc and free every step (Note [Why FSDP pools its
@@ -143,7 +147,9 @@ struct MemoryTheory {
 /// Contract:
 ///  - Construct on every rank with a model of the same structure. Construction broadcasts every parameter and
 ///    buffer from rank 0 of Options::broadcast_group (the wrapper's group by default; a collective, after every
-///    check), then keeps this rank's shard of each parameter. From then on the
+///    check), then keeps this rank's shard of each parameter. Or construct from a ModelBuilder (sharded construction,
+///    for a model larger than one rank): each unit is sharded as the model registers it, and nothing is
+///    broadcast. From then on the
 ///    model's registered parameters are *gathered* tensors that hold values only while their unit runs: the
 ///    optimizer must be built on `parameters()` (the sharded ones), and the full values are read with
 ///    `full_parameters()`. Buffers are replicated, not sharded.
@@ -176,6 +182,21 @@ class FullyShardedModel {
   ///         named), a parameter shared by two units, a unit with mixed dtypes, or a reducer factory that gives
   ///         no reducer.
   FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options = {});
+  /// Sharded construction, for a model larger than one rank (Note [Building a model unit by unit] in common, Note
+  /// [Sharded construction] in fsdp_build.cpp): calls `build` once inside a UnitBuildScope and shards each unit
+  /// the moment the model registers it, so no rank ever holds more than its shards, about two units (the one being
+  /// built, and its gathered buffer) and the root. Nothing
+  /// is broadcast: every rank's builder must give the same values (the same seed), as the shipped models do at any
+  /// world size; the structure check after the build catches ranks that disagree on the structure. The wrapper is
+  /// then the one the other constructor makes from the same model.
+  /// @param build makes the model on the CPU, initializing each unit before it registers it; it must build the
+  ///        model inside the call (a model built before has no units registered in the scope: refused).
+  /// @param device where each unit moves before it is sharded, and the root after the build.
+  /// @throws as the other constructor, and std::invalid_argument for an empty builder, a null model or units
+  ///         registered outside the call, on every rank alike: a rank whose build threw tells the others (one
+  ///         all-gather of the errors), which throw std::runtime_error naming it.
+  FullyShardedModel(const ModelBuilder& build, Communicator& comm, Options options = {},
+                    const c10::Device& device = c10::Device(c10::kCPU));
   ~FullyShardedModel();
   FullyShardedModel(const FullyShardedModel&) = delete;
   FullyShardedModel& operator=(const FullyShardedModel&) = delete;
@@ -191,6 +212,12 @@ class FullyShardedModel {
   /// Every parameter's full values in the original dtype, in the model's registration order (fresh tensors).
   /// A collective: every rank must call it.
   std::vector<at::Tensor> full_parameters();
+  /// full_parameters for a model larger than one rank: calls `visit(index, full)` for every parameter in
+  /// registration order (`index` counts them from 0), gathering a unit's full values when its first parameter comes
+  /// and dropping them when the order moves to another unit, so at most one unit's full values are held (a unit
+  /// the order comes back to is gathered again). `full` is fresh, in the original dtype; `visit` may keep it. A
+  /// collective: every rank must call it.
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit);
   /// The model as one device holds it, named: (full name, fresh full tensor) for every parameter in registration
   /// order (a tied weight under each of its names), then every buffer: PyTorch's state_dict() of the unsharded
   /// model. A collective: every rank must call it.
@@ -291,6 +318,16 @@ class FullyShardedModel {
   const std::vector<MemorySample>& memory_samples() const { return meter_.samples(); }
 
  private:
+  // Construction (fsdp_build.cpp).
+  Communicator& agreement_group();  // Options::broadcast_group, or the wrapper's group
+  void prepare_options();
+  std::shared_ptr<GradientReducer> make_reducer(const std::string& unit, size_t index);
+  std::unique_ptr<FsdpUnit> make_unit(const std::string& name,
+                                      const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                      std::shared_ptr<GradientReducer> reducer);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> assign_parameters();  // per unit, the root last
+  void finish_construction();
+
   bool raf(size_t u) const;
   void pre_forward(size_t u);
   void post_forward(size_t u, const at::Tensor& output);

@@ -29,6 +29,17 @@ namespace shardlab::hsdp {
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
                                                             fsdp::Options options = {}, Wire wire = Wire::kReduceDtype);
 
+/// Sharded construction of HSDP, for a model larger than one rank: stage 04's FullyShardedModel(ModelBuilder, ...)
+/// on the mesh's shard group, each unit sharded S ways as the model registers it. Nothing is broadcast: every rank
+/// of every replica builds the same values from the same seed, and the build's outcome and the structure are
+/// compared over the whole world. Otherwise as the other overload. A collective on the whole world.
+/// @param build makes the model on the CPU, each unit initialized before it is registered (model.h).
+/// @param device where the units go as they are built.
+/// @throws as the other overload, and as FullyShardedModel's sharded construction.
+std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& build, Mesh& mesh,
+                                                            fsdp::Options options = {}, Wire wire = Wire::kReduceDtype,
+                                                            const c10::Device& device = c10::Device(c10::kCPU));
+
 /// Defers (false) or restores (true) the all-reduce across replicas of every unit of `fsdp` (an HSDP wrapper made
 /// by fully_shard_hybrid): for gradient accumulation, run the first k-1 micro-batches with false and the last with
 /// true; each unit then reduce-scatters every micro-batch and all-reduces once. Unlike `no_sync()` (which skips

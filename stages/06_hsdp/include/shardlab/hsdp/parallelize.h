@@ -5,12 +5,13 @@
 ///  - DDP when S = 1 (stage 02's bucketed DDP over the R ranks: every rank holds the whole model);
 ///  - FSDP when R = 1 (stage 04's sharded units over the S ranks, with stage 05's prefetch);
 ///  - HSDP otherwise (stage 06: sharded within each row, all-reduced across the rows).
-/// Every rank calls it alike; it broadcasts rank 0's state over the whole world, so every rank starts equal.
+/// Every rank calls it alike; it broadcasts rank 0's state over the whole world, so every rank starts equal. Given a
+/// ModelBuilder instead of a model, FSDP and HSDP build the model sharded, unit by unit, and broadcast nothing.
 ///
 /// @code
 ///   auto world = shardlab::World::from_environment();       // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 ///   shardlab::Mesh mesh(*world, /*replicate=*/2, /*shard=*/4);   // 2 machines of 4 ranks: HSDP
-///   auto dp = shardlab::parallelize(model, mesh);             // FSDP2's defaults
+///   auto dp = shardlab::parallelize([&] { return std::make_shared<MyModel>(cfg, seed); }, mesh);  // sharded build
 ///   torch::optim::AdamW opt(dp->parameters(), torch::optim::AdamWOptions(1e-3));
 ///   for (...) { opt.zero_grad(); dp->loss(my_slice).backward(); opt.step(); }
 /// @endcode
@@ -134,5 +135,16 @@ class DataParallel {
 /// @throws std::invalid_argument for a null model, and for mixed precision under DDP (S = 1: bucketed DDP computes
 ///         in the parameters' dtype), before any collective; and as the wrapper's constructor does.
 std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy = {});
+
+/// parallelize for a model larger than one rank: the model is built by `build` inside the wrapper, and under FSDP
+/// and HSDP each unit is sharded as the model registers it (FullyShardedModel's sharded construction), so no rank
+/// ever holds the whole model, and nothing is broadcast: every rank's builder gives the same values (the same
+/// seed). Under DDP (S = 1) the model is built whole, since every rank holds all of it anyway, and broadcast as the
+/// other overload does. A collective over the whole world.
+/// @param build makes the model on the CPU, each unit initialized before it registers it (model.h).
+/// @param device where the model's parameters go (each unit as it is built).
+/// @throws as the other overload, and as FullyShardedModel's sharded construction.
+std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh, const ParallelPolicy& policy = {},
+                                          const c10::Device& device = c10::Device(c10::kCPU));
 
 }  // namespace shardlab
