@@ -49,8 +49,9 @@ Batch Batch::to(const c10::Device& device) const { return Batch{input.to(device)
 // libtorch's: a module's own parameters before its children's (so the edge model registers and fills its own two
 // first, then its units). A part's buffers are drawn after its parameters, while init_parameters draws every buffer
 // after every parameter: they agree while no part with buffers comes before a part with parameters, as in the
-// shipped models. The test Initializer.PartByPartDrawsWhatTheWholeModelDraws holds them to it. torch::nn's own initialization draws from
-// the global generator: the same in every process seeded alike, but shared between ranks that are threads.
+// shipped models. The test Initializer.PartByPartDrawsWhatTheWholeModelDraws holds them to it. torch::nn's own
+// initialization draws from the global generator: the same in every process seeded alike, but shared between ranks that
+// are threads.
 //
 // What stays whole: the root (parameters outside every unit), built by the model's constructor around the units.
 // Keep what is large in units.

@@ -24,8 +24,8 @@ Mlp::Mlp(const std::vector<int64_t>& sizes, uint64_t seed) {
   if (sizes.size() < 2) throw std::invalid_argument("Mlp: expected at least 2 layer sizes (input, classes)");
   Initializer init(seed);  // each unit initialized before it is registered: Note [Building a model unit by unit]
   for (size_t i = 0; i + 1 < sizes.size(); ++i)
-    layers_.push_back(register_unit("fc" + std::to_string(i),
-                                    init(std::make_shared<torch::nn::LinearImpl>(sizes[i], sizes[i + 1]))));
+    layers_.push_back(
+        register_unit("fc" + std::to_string(i), init(std::make_shared<torch::nn::LinearImpl>(sizes[i], sizes[i + 1]))));
 }
 
 at::Tensor Mlp::forward(const at::Tensor& x) {

@@ -5,9 +5,9 @@
 // trainer: CMakeLists.txt checks that.
 //
 // The same 4 processes train on three meshes of the one world: 2x2 (HSDP, accumulating two micro-batches with the
-// all-reduce deferred), 1x4 (FSDP), both built sharded from a ModelBuilder, and 4x1 (DDP), and each rank checks the kind it got and its result against the same
-// model trained on one device on the union of the 4 ranks' batches. Rank 0 prints
-// "consumer: ok" only when every rank's check held on every mesh.
+// all-reduce deferred), 1x4 (FSDP), both built sharded from a ModelBuilder, and 4x1 (DDP), and each rank checks
+// the kind it got and its result against the same model trained on one device on the union of the 4 ranks'
+// batches. Rank 0 prints "consumer: ok" only when every rank's check held on every mesh.
 #include <shardlab/common/model.h>
 #include <shardlab/common/world.h>
 #include <shardlab/hsdp/parallelize.h>

@@ -223,8 +223,7 @@ TEST(ShardedBuild, AUserModelTrainsLikeOneDeviceAndAModelBuiltBeforeIsRefused) {
         test_group());
     for (int r = 0; r < world; ++r) {
       std::cout << "rank " << r << ": " << errors[r] << "\n";
-      EXPECT_NE(errors[r].find("has 1 units, of which 0 were registered while it ran"), std::string::npos)
-          << errors[r];
+      EXPECT_NE(errors[r].find("has 1 units, of which 0 were registered while it ran"), std::string::npos) << errors[r];
     }
   }
   auto data = at::randn({4, 7}, at::TensorOptions().dtype(at::kFloat));

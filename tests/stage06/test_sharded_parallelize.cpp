@@ -64,7 +64,8 @@ TEST(ParallelizeShardedBuild, EveryMeshShapeTrainsLikeOneDeviceAndOnlyDdpBroadca
       std::cout << shape.kind << " rank " << r << ": " << broadcasts[r]
                 << " broadcasts at construction, max |param - one device| = " << diff << "\n";
       EXPECT_EQ(builds[r], 1) << "the builder runs once per rank";
-      EXPECT_TRUE(all_close(finals[r], ref.params, 1e-5, 1e-6)) << shape.kind << " rank " << r << " differs by " << diff;
+      EXPECT_TRUE(all_close(finals[r], ref.params, 1e-5, 1e-6))
+          << shape.kind << " rank " << r << " differs by " << diff;
       if (std::string(shape.kind) == "ddp")
         EXPECT_GT(broadcasts[r], 0) << "DDP builds whole and broadcasts as always";
       else

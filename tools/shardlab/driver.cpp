@@ -243,11 +243,11 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
         g.bytes = values[1] / run;
       }
     }
-    for (auto [key, into] : {std::pair{"peak_rss_bytes", &r.peak_rss_bytes},
-                             std::pair{"run_peak_rss_bytes", &r.run_peak_rss_bytes},
-                             std::pair{"base_rss_bytes", &r.base_rss_bytes},
-                             std::pair{"construction_rss_bytes", &r.construction_rss_bytes},
-                             std::pair{"base_data_bytes", &r.base_data_bytes}})
+    for (auto [key, into] :
+         {std::pair{"peak_rss_bytes", &r.peak_rss_bytes}, std::pair{"run_peak_rss_bytes", &r.run_peak_rss_bytes},
+          std::pair{"base_rss_bytes", &r.base_rss_bytes},
+          std::pair{"construction_rss_bytes", &r.construction_rss_bytes},
+          std::pair{"base_data_bytes", &r.base_data_bytes}})
       into->push_back(text[key].empty() ? 0.0 : text[key][0]);
     std::ifstream in(prefix + ".params", std::ios::binary);
     at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
@@ -342,8 +342,9 @@ void print_report(const RunReport& r) {
       return line.str() + " MiB";
     };
     std::cout << "  resident memory per rank (what the operating system saw); the model built "
-              << (r.construction == "sharded" ? "sharded, unit by unit" : r.construction) << "\n    before the model:"
-              << mib(r.base_rss_bytes) << "\n    peak once the model was built:" << mib(r.construction_rss_bytes)
+              << (r.construction == "sharded" ? "sharded, unit by unit" : r.construction)
+              << "\n    before the model:" << mib(r.base_rss_bytes)
+              << "\n    peak once the model was built:" << mib(r.construction_rss_bytes)
               << "\n    peak over the run, construction included:" << mib(r.run_peak_rss_bytes)
               << "\n    peak over the second half of the steps:" << mib(r.peak_rss_bytes)
               << (shards_parameters(r.strategy) ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "")

@@ -80,7 +80,7 @@ struct RunReport {
   std::vector<double> construction_rss_bytes;
   /// How each rank built the model (Strategy::construction): "sharded", or "whole: " and why.
   std::string construction;
-  int memory_limit_mib = 0;  ///< --memory-limit-mib (0: none)
+  int memory_limit_mib = 0;       ///< --memory-limit-mib (0: none)
   bool pool_buffers = true;       ///< FSDP: --pool-buffers
   std::string mesh;               ///< hsdp: "RxS" (replicas x shards); "" for every other strategy
   bool defer_all_reduce = false;  ///< hsdp: --defer-all-reduce

@@ -373,7 +373,9 @@ std::unique_ptr<StepRunner> bucketed_runner(const TrainConfig& c, const Strategy
 
 // A strategy that runs BucketedDDP with one of stage 03's hooks ("" = stage 02's plain all-reduce of the average).
 Strategy bucketed(std::string name, std::string description, std::string hook, double scale) {
-  return {std::move(name), std::move(description), true,
+  return {std::move(name),
+          std::move(description),
+          true,
           [scale](const Model& m, int, const StrategyOptions& s, const TrainConfig&) {
             return per_bucket_all_reduce(m, s, scale);
           },
@@ -390,7 +392,9 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
 // Bucketed DDP whose buckets step their own parameters as their averages land (stage 03's hook_then_optimizer):
 // the same traffic as bucketed_ddp, no optimizer step after backward.
 Strategy overlapped_optimizer() {
-  return {"overlap_optimizer", "stage 03: buckets step their parameters as their averages land", true,
+  return {"overlap_optimizer",
+          "stage 03: buckets step their parameters as their averages land",
+          true,
           [](const Model& m, int, const StrategyOptions& s, const TrainConfig&) {
             return per_bucket_all_reduce(m, s, 1.0);
           },

@@ -131,8 +131,8 @@ void limit_data_memory(int mib) {
   const rlim_t bytes = static_cast<rlim_t>(mib) << 20;
   const rlimit limit{bytes, bytes};
   if (setrlimit(RLIMIT_DATA, &limit) != 0)
-    throw std::runtime_error("--memory-limit-mib " + std::to_string(mib) + ": setrlimit(RLIMIT_DATA) failed: " +
-                             std::strerror(errno));
+    throw std::runtime_error("--memory-limit-mib " + std::to_string(mib) +
+                             ": setrlimit(RLIMIT_DATA) failed: " + std::strerror(errno));
 }
 
 // True for an allocation of this rank's that failed: std::bad_alloc, libtorch's CPU allocator's error (a c10::Error),
@@ -202,9 +202,9 @@ int run_worker_unlimited(const RunOptions& options) {
     at::set_num_threads(o.threads);
     set_blas_threads(o.threads);
   }
-  auto data = make_dataset(o.train.model, o.train.seed);  // before the base, which counts it
+  auto data = make_dataset(o.train.model, o.train.seed);              // before the base, which counts it
   if (o.memory_limit_mib > 0) limit_data_memory(o.memory_limit_mib);  // Note [A rank's memory limit]
-  const double base_rss = status_bytes("VmRSS");  // Note [Peak RSS over the steady state]
+  const double base_rss = status_bytes("VmRSS");                      // Note [Peak RSS over the steady state]
   const double base_data = status_bytes("VmData");  // what RLIMIT_DATA counts: Note [A rank's memory limit]
   auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
   const double construction_rss = status_bytes("VmHWM");  // the peak so far: the model built (and wrapped)

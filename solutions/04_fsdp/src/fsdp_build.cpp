@@ -224,7 +224,8 @@ FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& co
              built[k].trainable == groups[u][k].second.requires_grad();
     // The same on every rank (the structures were compared): every rank throws it.
     if (!same)
-      throw std::invalid_argument("FullyShardedModel: unit '" + units_[u]->name() + "' changed after it was "
+      throw std::invalid_argument("FullyShardedModel: unit '" + units_[u]->name() +
+                                  "' changed after it was "
                                   "registered (a parameter added, replaced or frozen): it was sharded as it was "
                                   "then. Finish each unit, its requires_grad included, before register_unit");
   }

@@ -48,11 +48,11 @@ struct ShardedState {
 
 /// One piece of a saved tensor: rows [first_row, first_row + rows) held by `file`.
 struct SavedPiece {
-  std::string file;       ///< the file's path
-  int64_t first_row = 0;  ///< its first row of the full tensor
-  int64_t rows = 0;       ///< its rows (1 for a 0-dim tensor)
-  bool has_crc = false;   ///< false for a safetensors file shardlab did not write (no CRC to check)
-  uint32_t crc32 = 0;     ///< the CRC-32 of the piece's bytes, as the index records it
+  std::string file;          ///< the file's path
+  int64_t first_row = 0;     ///< its first row of the full tensor
+  int64_t rows = 0;          ///< its rows (1 for a 0-dim tensor)
+  bool has_crc = false;      ///< false for a safetensors file shardlab did not write (no CRC to check)
+  uint32_t crc32 = 0;        ///< the CRC-32 of the piece's bytes, as the index records it
   bool crc_in_file = false;  ///< the CRC-32 came from the file's own metadata (a full file), not an index.json
 };
 
