@@ -142,6 +142,8 @@ std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& me
 /// seed). Under DDP (S = 1) the model is built whole, since every rank holds all of it anyway, and broadcast as the
 /// other overload does. A collective over the whole world.
 /// @param build makes the model on the CPU, each unit initialized before it registers it (model.h).
+/// @param mesh R replicas x S shards: its shape picks DDP, FSDP or HSDP.
+/// @param policy as the other overload's.
 /// @param device where the model's parameters go (each unit as it is built).
 /// @throws as the other overload, and as FullyShardedModel's sharded construction.
 std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh, const ParallelPolicy& policy = {},

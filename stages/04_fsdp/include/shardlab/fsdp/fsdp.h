@@ -191,6 +191,9 @@ class FullyShardedModel {
   /// then the one the other constructor makes from the same model.
   /// @param build makes the model on the CPU, initializing each unit before it registers it; it must build the
   ///        model inside the call (a model built before has no units registered in the scope: refused).
+  /// @param comm the shard group; every rank of it constructs alike.
+  /// @param options as the other constructor's (broadcast_group: the group the build's outcome and the structure
+  ///        are compared over).
   /// @param device where each unit moves before it is sharded, and the root after the build.
   /// @throws as the other constructor, and std::invalid_argument for an empty builder, a null model or units
   ///         registered outside the call, on every rank alike: a rank whose build threw tells the others (one

@@ -34,6 +34,9 @@ std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Mode
 /// of every replica builds the same values from the same seed, and the build's outcome and the structure are
 /// compared over the whole world. Otherwise as the other overload. A collective on the whole world.
 /// @param build makes the model on the CPU, each unit initialized before it is registered (model.h).
+/// @param mesh the 2-D mesh: sharded over its shard group, replicated over its replicate group.
+/// @param options as the other overload's (reducer and broadcast_group empty).
+/// @param wire the dtype of both groups' reductions.
 /// @param device where the units go as they are built.
 /// @throws as the other overload, and as FullyShardedModel's sharded construction.
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& build, Mesh& mesh,
