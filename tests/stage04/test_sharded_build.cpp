@@ -4,6 +4,7 @@
 #include "shardlab/fsdp/fsdp.h"
 
 #include "shardlab/common/reference.h"
+#include "shardlab/common/safetensors.h"
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/counting_allocator.h"
@@ -14,7 +15,11 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -162,6 +167,59 @@ TEST(ShardedBuild, NoRankHoldsMoreThanItsShardsOneUnitAndTheRootWhileBuilding) {
             << bound << " B)\n";
   EXPECT_GE(built_whole, world * model_bytes) << "the whole build holds the model on every rank";
   EXPECT_LE(built_sharded, bound) << "the sharded build held more than the shards, one unit and the root per rank";
+}
+
+TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsReadingOnlyEachRanksRows) {
+  // One device's tiny GPT of 8 blocks saved as one safetensors file (as an exported or a Hugging Face file), loaded
+  // by 4 ranks built sharded from another seed: each reads only its rows, never the whole model.
+  TrainConfig c;
+  c.model = "tiny_gpt";
+  c.layers = 8;
+  c.dim = 64;
+  const int world = 4;
+  const std::string file = (std::filesystem::temp_directory_path() /
+                            ("shardlab-sharded-load-" + std::to_string(::getpid()) + ".safetensors"))
+                               .string();
+  TrainConfig saved_config = c;
+  saved_config.seed = c.seed + 5;
+  auto saved = make_model(saved_config, at::kCPU);
+  safetensors::write_file(file, named_state(*saved, StateParts::kParametersAndBuffers, /*once=*/true));
+  const std::vector<at::Tensor> expected = on_cpu(saved->parameters());
+  const int64_t model_bytes = bytes_of(saved->parameters());
+  saved.reset();
+
+  test_support::CountingCpuAllocator counting;
+  std::vector<std::vector<at::Tensor>> loaded(world);
+  int64_t load_peak = 0;
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        FullyShardedModel fsdp([&] { return make_model(c, at::kCPU); }, comm);
+        std::optional<test_support::CountingCpuAllocator::Install> installed;  // one for the process: rank 0's
+        if (comm.rank() == 0) installed.emplace(counting);
+        comm.barrier();
+        fsdp.load_checkpoint(file, nullptr);  // every rank's load, counted at once
+        comm.barrier();
+        if (comm.rank() == 0) {
+          load_peak = counting.peak();
+          installed.reset();
+        }
+        comm.barrier();
+        loaded[comm.rank()] = on_cpu(fsdp.full_parameters());
+      },
+      test_group());
+  std::filesystem::remove(file);
+  // Each rank holds its rows of every tensor while the load is checked (all or nothing), then writes them into its
+  // shards: about a quarter of the model per rank, twice at most; a rank that read every tensor whole would hold
+  // the model.
+  const int64_t bound = 2 * model_bytes + world * (64 << 10);
+  std::cout << "model " << model_bytes << " B; allocated at once while " << world << " ranks loaded: " << load_peak
+            << " B (bound " << bound << " B; whole tensors on every rank would be " << world * model_bytes << " B)\n";
+  EXPECT_LE(load_peak, bound);
+  for (int r = 0; r < world; ++r) {
+    const double diff = max_abs_diff(loaded[r], expected);
+    EXPECT_EQ(diff, 0.0) << "rank " << r << ": max |loaded - saved| = " << diff;
+  }
 }
 
 struct UserNet : Model {
