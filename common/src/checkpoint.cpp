@@ -129,7 +129,19 @@ std::vector<int64_t> piece_sizes(const std::vector<int64_t>& full, int64_t rows)
 std::string sizes_text(const std::vector<int64_t>& s) { return c10::str(c10::IntArrayRef(s)); }
 
 // Checks one rank's state on its own: names unique, every local a piece of its full sizes.
+// The metadata key kFormatKey is the file format's (Hugging Face's "pt"): a user's metadata may not give it another
+// value, checked when a save starts (a sharded checkpoint exports to a full file).
+void check_format_key(const std::map<std::string, std::string>& metadata) {
+  const auto format = metadata.find(kFormatKey);
+  if (format != metadata.end() && format->second != kFormatPt)
+    throw std::invalid_argument("metadata key '" + std::string(kFormatKey) + "' is '" + format->second +
+                                "'; it is reserved for \"" + kFormatPt +
+                                "\" in a full safetensors file, which Hugging Face's transformers requires: keep your "
+                                "value under another key");
+}
+
 void check_state(const ShardedState& state) {
+  check_format_key(state.metadata);
   std::set<std::string> names;
   for (const StateTensor& t : state.tensors) {
     if (t.name.empty() || !names.insert(t.name).second)
@@ -493,11 +505,7 @@ c10::Device collective_device(const Communicator& comm, const ShardedState& stat
 
 void write_full_file(const std::string& file, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                      std::map<std::string, std::string> metadata) {
-  const auto format = metadata.find(kFormatKey);
-  if (format != metadata.end() && format->second != kFormatPt)
-    throw std::invalid_argument("metadata key '" + std::string(kFormatKey) + "' is '" + format->second +
-                                "'; in a full safetensors file it is reserved for \"" + kFormatPt +
-                                "\", which Hugging Face's transformers requires: keep your value under another key");
+  check_format_key(metadata);
   metadata[kFormatKey] = kFormatPt;
   for (const auto& [name, t] : tensors) {
     const at::Tensor c = cpu_contiguous(t);

@@ -499,6 +499,9 @@ TEST(Checkpoint, AFullCheckpointHoldsTheWholeModelUnderItsNames) {
         auto opt = make_optimizer("sgd", fsdp.parameters(), 0.05);
         train(fsdp, *opt, comm, c, 0, 1);
         save_full_checkpoint(dir / "model.safetensors", fsdp.checkpoint_state(), comm);
+        ShardedState other_format = fsdp.checkpoint_state();  // "format" is the file's: refused before anything moves
+        other_format.metadata["format"] = "tf";
+        EXPECT_THROW(save_full_checkpoint(dir / "tf.safetensors", other_format, comm), std::invalid_argument);
         auto f = fsdp.full_parameters();
         if (comm.rank() == 0) full = f;
       },

@@ -169,9 +169,10 @@ TEST(ShardedBuild, NoRankHoldsMoreThanItsShardsOneUnitAndTheRootWhileBuilding) {
   EXPECT_LE(built_sharded, bound) << "the sharded build held more than the shards, one unit and the root per rank";
 }
 
-TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsReadingOnlyEachRanksRows) {
+TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsHoldingOnlyEachRanksRows) {
   // One device's tiny GPT of 8 blocks saved as one safetensors file (as an exported or a Hugging Face file), loaded
-  // by 4 ranks built sharded from another seed: each reads only its rows, never the whole model.
+  // by 4 ranks built sharded from another seed: each holds only its rows, never the whole model (counted: every CPU
+  // tensor; the reader's own 16 MiB chunks for CRC-32s are not tensors).
   TrainConfig c;
   c.model = "tiny_gpt";
   c.layers = 8;
@@ -263,9 +264,34 @@ TEST(ShardedBuild, ARankWhoseBuildFailsStopsEveryRankWithItsError) {
   }
 }
 
+struct FrozenAfterRegistration : Model {
+  FrozenAfterRegistration() {
+    Initializer init(3);
+    block = register_unit("block", init(torch::nn::Linear(7, 5).ptr()));
+    block->weight.set_requires_grad(false);  // too late: the unit was sharded as trainable
+  }
+  at::Tensor loss(const Batch& b) override { return block(b.input).pow(2).mean(); }
+  UnitRef<torch::nn::LinearImpl> block;
+};
+
 TEST(ShardedBuild, AUserModelTrainsLikeOneDeviceAndAModelBuiltBeforeIsRefused) {
   // The recipe for a user's own model: initialize each unit before registering it (UserNet).
   const int world = 2;
+  {  // a unit changed after it was registered: a user error on every rank, naming the contract
+    std::vector<std::string> errors(world);
+    run_ranks(
+        world,
+        [&](Communicator& comm) {
+          try {
+            FullyShardedModel fsdp([] { return std::make_shared<FrozenAfterRegistration>(); }, comm);
+          } catch (const std::invalid_argument& e) {
+            errors[comm.rank()] = e.what();
+          }
+        },
+        test_group());
+    for (int r = 0; r < world; ++r)
+      EXPECT_NE(errors[r].find("unit 'block' changed after it was registered"), std::string::npos) << errors[r];
+  }
   {  // a model built before the builder ran: its unit was registered outside the scope, never sharded
     std::vector<std::string> errors(world);
     run_ranks(

@@ -33,6 +33,30 @@ TEST(ParallelizeShardedBuild, EveryMeshShapeTrainsLikeOneDeviceAndOnlyDdpBroadca
     int replicate, shard;
     const char* kind;
   };
+  {  // DDP builds whole; a rank whose builder throws (here with an empty message) stops every rank, none waits
+    std::vector<std::string> errors(2);
+    run_world(
+        2,
+        [&](World& world) {
+          Mesh mesh(world, 2, 1);
+          try {
+            parallelize(
+                [&]() -> std::shared_ptr<Model> {
+                  if (world.rank() == 1) throw std::runtime_error("");
+                  return make_model(c, at::kCPU);
+                },
+                mesh);
+            ADD_FAILURE() << "rank " << world.rank() << " went on";
+          } catch (const std::exception& e) {
+            errors[world.rank()] = e.what();
+          }
+        },
+        test_group());
+    std::cout << "rank 0: " << errors[0] << "\n";
+    EXPECT_NE(errors[0].find("rank 1 could not build its model, so no rank goes on: an exception with an empty"),
+              std::string::npos)
+        << errors[0];
+  }
   for (const Shape& shape : {Shape{1, 4, "fsdp"}, Shape{2, 2, "hsdp"}, Shape{4, 1, "ddp"}}) {
     std::vector<std::vector<at::Tensor>> finals(4);
     std::vector<int> broadcasts(4, 0), builds(4, 0);

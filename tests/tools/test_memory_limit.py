@@ -64,7 +64,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
     p, ddp = train(tmp, "ddp", "--strategy", "bucketed_ddp", "--steps", "1", *common)
     said = p.stdout + p.stderr
-    wanted = (f"out of memory: this rank's data memory is limited to {limit} MiB (--memory-limit-mib, RLIMIT_DATA) "
+    wanted = (f"out of memory: each rank's data memory is limited to {limit} MiB (--memory-limit-mib, RLIMIT_DATA) "
               "and an allocation failed")
     check(p.returncode != 0, f"bucketed DDP fails under the same limit (exit {p.returncode})")
     check(wanted in said, "DDP's error names the limit and what failed")

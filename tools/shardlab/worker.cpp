@@ -86,8 +86,9 @@ double status_bytes(const std::string& key) {
 }
 
 // Note [A rank's memory limit]
-// `--memory-limit-mib N` sets each worker's RLIMIT_DATA before anything else, for a run that shows what fits in a
-// rank's memory. RLIMIT_DATA rather than a cgroup's memory.max:
+// `--memory-limit-mib N` sets each worker's RLIMIT_DATA (the soft limit; a lower hard limit stays) once the process
+// groups, the data and OpenBLAS's buffers exist, just before the model is built, for a run that shows what fits in
+// a rank's memory. RLIMIT_DATA rather than a cgroup's memory.max:
 //  - A cgroup's limit is enforced by the kernel's OOM killer: the process dies by SIGKILL with no message of its own.
 //    Under RLIMIT_DATA the allocation itself fails (brk and mmap return ENOMEM): libtorch throws "can't allocate
 //    memory", and the worker reports it naming the limit, on the thread that asked.
@@ -120,30 +121,33 @@ void lean_allocations() {
   if (mallopt(M_ARENA_MAX, 1) != 1 || mallopt(M_MMAP_THRESHOLD, 1 << 20) != 1)
     throw std::runtime_error("--memory-limit-mib: could not set glibc's malloc options (mallopt)");
   pthread_attr_t attr;
-  if (pthread_getattr_default_np(&attr) != 0 || pthread_attr_setstacksize(&attr, kThreadStack) != 0 ||
-      pthread_setattr_default_np(&attr) != 0)
-    throw std::runtime_error("--memory-limit-mib: could not set the threads' default stack size");
+  if (pthread_getattr_default_np(&attr) != 0)
+    throw std::runtime_error("--memory-limit-mib: could not read the threads' default attributes");
+  const bool set = pthread_attr_setstacksize(&attr, kThreadStack) == 0 && pthread_setattr_default_np(&attr) == 0;
   pthread_attr_destroy(&attr);
+  if (!set) throw std::runtime_error("--memory-limit-mib: could not set the threads' default stack size");
 }
 
 void limit_data_memory(int mib) {
   at::mm(at::ones({256, 256}), at::ones({256, 256}));  // OpenBLAS's buffers, before the limit
+  rlimit limit{};
+  if (getrlimit(RLIMIT_DATA, &limit) != 0)
+    throw std::runtime_error("--memory-limit-mib: getrlimit(RLIMIT_DATA) failed: " + std::string(std::strerror(errno)));
   const rlim_t bytes = static_cast<rlim_t>(mib) << 20;
-  const rlimit limit{bytes, bytes};
+  limit.rlim_cur = limit.rlim_max == RLIM_INFINITY ? bytes : std::min(bytes, limit.rlim_max);  // the hard one stays
   if (setrlimit(RLIMIT_DATA, &limit) != 0)
     throw std::runtime_error("--memory-limit-mib " + std::to_string(mib) +
                              ": setrlimit(RLIMIT_DATA) failed: " + std::strerror(errno));
 }
 
-// True for an allocation of this rank's that failed: std::bad_alloc, libtorch's CPU allocator's error (a c10::Error),
-// or a thread whose stack could not be mapped (std::system_error with EAGAIN). Not another rank's failure, which
-// reaches this one as a std::runtime_error quoting it.
+// True for an allocation that failed: std::bad_alloc, libtorch's CPU allocator's error (whoever passed it on: a
+// checkpoint's agreement quotes it, and another rank's failure reaches this one quoted with its rank), or a thread
+// whose stack could not be mapped (std::system_error with EAGAIN).
 bool out_of_memory(const std::exception& e) {
   if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
   if (const auto* system = dynamic_cast<const std::system_error*>(&e))
     if (system->code() == std::errc::resource_unavailable_try_again) return true;
-  return dynamic_cast<const c10::Error*>(&e) != nullptr &&
-         std::string(e.what()).find("can't allocate memory") != std::string::npos;
+  return std::string(e.what()).find("can't allocate memory") != std::string::npos;
 }
 
 // What a checkpoint of this run records beside the tensors: the steps done (where the data resumes: step k's
@@ -355,7 +359,7 @@ int run_worker(const RunOptions& options) {
   } catch (const std::exception& e) {
     if (options.memory_limit_mib <= 0 || !out_of_memory(e)) throw;
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);  // its what() carries a backtrace
-    throw std::runtime_error("out of memory: this rank's data memory is limited to " +
+    throw std::runtime_error("out of memory: each rank's data memory is limited to " +
                              std::to_string(options.memory_limit_mib) +
                              " MiB (--memory-limit-mib, RLIMIT_DATA) and an allocation failed: " +
                              (c10_error ? c10_error->what_without_backtrace() : e.what()));

@@ -201,8 +201,8 @@ FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& co
     }
   } catch (const std::exception& e) {
     failure = std::current_exception();
-    error = e.what();
-  } catch (...) {  // every rank must still hear of it
+    error = *e.what() != '\0' ? e.what() : "an exception with an empty message";  // "" would mean success
+  } catch (...) {                                                                 // every rank must still hear of it
     failure = std::current_exception();
     error = "an exception that is not a std::exception";
   }

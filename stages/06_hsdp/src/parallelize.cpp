@@ -147,7 +147,7 @@ std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh,
       model->to(device);
     } catch (const std::exception& e) {
       failure = std::current_exception();
-      error = e.what();
+      error = *e.what() != '\0' ? e.what() : "an exception with an empty message";  // "" would mean success
     } catch (...) {
       failure = std::current_exception();
       error = "an exception that is not a std::exception";
