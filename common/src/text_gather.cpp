@@ -4,6 +4,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstring>
+#include <exception>
+#include <stdexcept>
 
 namespace shardlab {
 
@@ -27,6 +29,25 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
     out.emplace_back(base, static_cast<size_t>(sizes[r].item<int64_t>()));
   }
   return out;
+}
+
+void run_agreed(Communicator& comm, const std::string& what, const std::function<void()>& step) {
+  std::exception_ptr failure;
+  std::string error;  // failure's message; "" means this rank's step went through, so never empty on a failure
+  try {
+    step();
+  } catch (const std::exception& e) {
+    failure = std::current_exception();
+    error = *e.what() != '\0' ? e.what() : "an exception with an empty message";
+  } catch (...) {
+    failure = std::current_exception();
+    error = "an exception that is not a std::exception";
+  }
+  const std::vector<std::string> errors = all_gather_text(comm, error);
+  if (failure) std::rethrow_exception(failure);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      throw std::runtime_error(what + " failed on rank " + std::to_string(r) + ", so no rank goes on: " + errors[r]);
 }
 
 }  // namespace shardlab

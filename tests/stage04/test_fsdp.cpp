@@ -13,6 +13,7 @@
 #include "support/clipping.h"
 #include "support/device.h"
 #include "support/failing_backend.h"
+#include "support/fsdp_case.h"
 #include "support/refusal.h"
 #include "support/train_replica.h"
 
@@ -41,15 +42,7 @@ constexpr double kRtol = 1e-5, kAtol = 1e-6;
 using test_support::on_cpu;
 using test_support::test_group;
 
-struct Case {
-  std::string model, optimizer;
-  int world, micro;
-  bool raf;
-};
-
-std::ostream& operator<<(std::ostream& os, const Case& e) {
-  return os << e.model << "_" << e.optimizer << "_w" << e.world << "_m" << e.micro << (e.raf ? "_raf" : "_keep");
-}
+using Case = test_support::FsdpCase;
 
 class Equivalence : public ::testing::TestWithParam<Case> {};
 

@@ -53,7 +53,7 @@ TEST(ParallelizeShardedBuild, EveryMeshShapeTrainsLikeOneDeviceAndOnlyDdpBroadca
         },
         test_group());
     std::cout << "rank 0: " << errors[0] << "\n";
-    EXPECT_NE(errors[0].find("rank 1 could not build its model, so no rank goes on: an exception with an empty"),
+    EXPECT_NE(errors[0].find("building the model failed on rank 1, so no rank goes on: an exception with an empty"),
               std::string::npos)
         << errors[0];
   }

@@ -13,7 +13,6 @@
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <exception>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -166,9 +165,8 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
 FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& comm, Options options,
                                      const c10::Device& device)
     : comm_(comm), options_(std::move(options)) {
-  std::exception_ptr failure;
-  std::string error;  // failure's message ("" when this rank built)
-  try {
+  // Note [Sharded construction]: every rank hears of a build that failed anywhere before the structure check.
+  run_agreed(agreement_group(), "FullyShardedModel: building the model", [&] {
     if (!build) throw std::invalid_argument("FullyShardedModel: expected a model builder; got an empty function");
     prepare_options();
     std::map<const c10::TensorImpl*, std::pair<std::string, std::string>> sharded;  // -> (unit, name in it)
@@ -199,20 +197,7 @@ FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& co
         if (!sharded.count(p.unsafeGetTensorImpl())) p.set_data(p.to(device));
       for (const auto& b : model_->buffers(/*recurse=*/true)) b.set_data(b.to(device));
     }
-  } catch (const std::exception& e) {
-    failure = std::current_exception();
-    error = *e.what() != '\0' ? e.what() : "an exception with an empty message";  // "" would mean success
-  } catch (...) {                                                                 // every rank must still hear of it
-    failure = std::current_exception();
-    error = "an exception that is not a std::exception";
-  }
-  // Note [Sharded construction]: every rank hears of a build that failed anywhere before the structure check.
-  const std::vector<std::string> errors = all_gather_text(agreement_group(), error);
-  if (failure) std::rethrow_exception(failure);
-  for (size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty())
-      throw std::runtime_error("FullyShardedModel: rank " + std::to_string(r) +
-                               " of the group could not build its model, so no rank goes on: " + errors[r]);
+  });
   check_same_model(*model_, agreement_group(), "FullyShardedModel");
   auto groups = assign_parameters();
   const size_t root = model_->units().size();

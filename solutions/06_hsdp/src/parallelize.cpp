@@ -9,8 +9,6 @@
 
 #include <ATen/ATen.h>
 
-#include <exception>
-
 #include <stdexcept>
 
 namespace shardlab {
@@ -139,25 +137,11 @@ std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh,
   std::shared_ptr<Model> model;
   const ModelBuilder keep = [&] { return model = build(); };
   if (mesh.shard_size() == 1) {  // DDP holds the whole model on every rank: built whole, then broadcast as always
-    std::exception_ptr failure;
-    std::string error;  // failure's message ("" when this rank built): every rank hears of it, nothing waits
-    try {
+    run_agreed(mesh.world().world(), "parallelize: building the model", [&] {
       keep();
       if (!model) throw std::invalid_argument("parallelize: the model builder returned a null pointer");
       model->to(device);
-    } catch (const std::exception& e) {
-      failure = std::current_exception();
-      error = *e.what() != '\0' ? e.what() : "an exception with an empty message";  // "" would mean success
-    } catch (...) {
-      failure = std::current_exception();
-      error = "an exception that is not a std::exception";
-    }
-    const std::vector<std::string> errors = all_gather_text(mesh.world().world(), error);
-    if (failure) std::rethrow_exception(failure);
-    for (size_t r = 0; r < errors.size(); ++r)
-      if (!errors[r].empty())
-        throw std::runtime_error("parallelize: rank " + std::to_string(r) +
-                                 " could not build its model, so no rank goes on: " + errors[r]);
+    });
     return replicated(std::move(model), mesh, policy);
   }
   auto sharded = hsdp::fully_shard_hybrid(keep, mesh, sharded_options(policy), policy.reduction.wire, device);
