@@ -1,7 +1,8 @@
 # The source gates, as build targets (run by .ci/run):
 #   check-format  every tracked C++ file but the generated stages/ matches .clang-format (tools/check-format;
 #                 `tools/check-format --fix` rewrites them)
-#   check-tidy    clang-tidy with .clang-tidy over common/ and solutions/, on this build's compile commands
+#   check-tidy    clang-tidy with .clang-tidy over common/ and solutions/, on this build's compile commands; only
+#                 files whose input changed since they passed (.ci/tidy-passed)
 #                 (tools/check-tidy)
 add_custom_target(check-format
   COMMAND ${PROJECT_SOURCE_DIR}/tools/check-format
