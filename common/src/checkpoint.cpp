@@ -119,6 +119,11 @@ int64_t row_numel(const std::vector<int64_t>& sizes) {
 // The rows `t` holds of its full tensor (1 for a 0-dim tensor).
 int64_t local_rows(const StateTensor& t) { return t.full_sizes.empty() ? 1 : t.local.size(0); }
 
+// Whether two contiguous CPU tensors of one dtype and size hold the same bytes (NaNs by their bits).
+bool equal_bytes(const at::Tensor& a, const at::Tensor& b) {
+  return std::memcmp(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0;
+}
+
 // The sizes of rows [.., .. + rows) of a tensor of `full` sizes.
 std::vector<int64_t> piece_sizes(const std::vector<int64_t>& full, int64_t rows) {
   std::vector<int64_t> s = full;
@@ -154,6 +159,10 @@ void check_state(const ShardedState& state) {
                                   " from row " + std::to_string(t.first_row) + ", which is not a piece of its full " +
                                   "sizes " + sizes_text(t.full_sizes));
   }
+  for (const auto& [alias, name] : state.aliases)
+    if (names.count(alias) || !names.count(name))
+      throw std::invalid_argument("the state's alias '" + alias + "' -> '" + name +
+                                  "' must name a tensor of the state by another name");
 }
 
 std::string rank_file(int rank, int world) {
@@ -459,26 +468,64 @@ class Pieces {
   std::map<std::string, std::unique_ptr<safetensors::Reader>> readers_;
 };
 
-// Matches a state with what a checkpoint holds; throws std::invalid_argument naming the first difference.
-void match(const CheckpointIndex& index, const ShardedState& state, const std::string& skip_prefix) {
-  std::set<std::string> wanted;
-  for (const StateTensor& t : state.tensors) {
-    wanted.insert(t.name);
-    const auto it = index.tensors.find(t.name);
-    if (it == index.tensors.end())
-      throw std::invalid_argument("checkpoint '" + index.path + "' has no tensor '" + t.name + "' (it holds " +
-                                  std::to_string(index.tensors.size()) + " tensors): saved from another model?");
-    const SavedTensor& s = it->second;
-    if (s.dtype != t.local.scalar_type() || s.sizes != t.full_sizes)
-      throw std::invalid_argument("checkpoint '" + index.path + "' holds '" + t.name + "' as " +
-                                  safetensors::dtype_name(s.dtype) + " " + sizes_text(s.sizes) + "; this model has " +
+// Note [A tied weight in a file]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A tensor registered under several names (ShardedState::aliases) is saved once, under its first name, as
+// named_state lists it. Other writers choose otherwise: Hugging Face's safetensors.torch.save_model keeps the
+// name that sorts first (GPT-2's `lm_head.weight`, not `transformer.wte.weight`), and a plain state_dict holds
+// every name. So a load takes a tied weight under any of its names, or under several: each rank then reads its
+// rows under every name it was saved under and compares them bit for bit, since a file whose copies differ is not
+// one tensor (which copy would be the weight?). Which saved names are which model tensor is decided before any
+// byte is read, after the user's renaming (SavedNames) and then the aliases; two saved tensors that land on one
+// model tensor without being its tie are refused by name.
+
+// For each tensor of `state`, the names in the checkpoint that hold it (one, or several for a tie saved under
+// several names); throws std::invalid_argument naming the first difference.
+std::vector<std::vector<std::string>> match(const CheckpointIndex& index, const ShardedState& state,
+                                            const std::string& skip_prefix, const SavedNames& names) {
+  std::map<std::string, size_t> position;
+  for (size_t i = 0; i < state.tensors.size(); ++i) position.emplace(state.tensors[i].name, i);
+  std::vector<std::vector<std::string>> sources(state.tensors.size());
+  std::map<std::string, std::string> taken_as;  // model name -> the saved name that took it
+  std::string extra;                            // the first saved tensor the model does not have
+  for (const auto& [saved, info] : index.tensors) {
+    const std::string model_name = names ? names(saved) : saved;
+    if (model_name.empty()) continue;
+    const auto alias = state.aliases.find(model_name);
+    const std::string name = alias == state.aliases.end() ? model_name : alias->second;
+    const auto it = position.find(name);
+    if (it == position.end()) {
+      if (!(skip_prefix.empty() || model_name.rfind(skip_prefix, 0) != 0) || !extra.empty()) continue;
+      extra = "checkpoint '" + index.path + "' holds tensor '" + saved + "'" +
+              (model_name != saved ? " (named '" + model_name + "' for this model)" : "") +
+              ", which this model does not have: saved from another model?";
+      continue;
+    }
+    const auto [prior, fresh] = taken_as.emplace(model_name, saved);
+    if (!fresh)
+      throw std::invalid_argument("checkpoint '" + index.path + "' holds '" + prior->second + "' and '" + saved +
+                                  "', which are both named '" + model_name + "' for this model");
+    const StateTensor& t = state.tensors[it->second];
+    if (info.dtype != t.local.scalar_type() || info.sizes != t.full_sizes)
+      throw std::invalid_argument("checkpoint '" + index.path + "' holds '" + saved + "' as " +
+                                  safetensors::dtype_name(info.dtype) + " " + sizes_text(info.sizes) +
+                                  "; this model has " + (name != saved ? "'" + name + "' as " : "") +
                                   safetensors::dtype_name(t.local.scalar_type()) + " " + sizes_text(t.full_sizes));
+    sources[it->second].push_back(saved);
   }
-  for (const auto& [name, saved] : index.tensors) {
-    if (wanted.count(name) || (!skip_prefix.empty() && name.rfind(skip_prefix, 0) == 0)) continue;
-    throw std::invalid_argument("checkpoint '" + index.path + "' holds tensor '" + name +
-                                "', which this model does not have: saved from another model?");
+  for (size_t i = 0; i < state.tensors.size(); ++i) {
+    if (!sources[i].empty()) continue;
+    const std::string& name = state.tensors[i].name;
+    std::string tied;
+    for (const auto& [alias, of] : state.aliases)
+      if (of == name) tied += (tied.empty() ? "" : "', '") + alias;
+    throw std::invalid_argument("checkpoint '" + index.path + "' has no tensor '" + name + "'" +
+                                (tied.empty() ? "" : " (nor its tied names '" + tied + "')") +
+                                (names ? " under the names given for its tensors" : "") + " (it holds " +
+                                std::to_string(index.tensors.size()) + " tensors): saved from another model?");
   }
+  if (!extra.empty()) throw std::invalid_argument(extra);
+  return sources;
 }
 
 void check_files(const CheckpointIndex& index) {
@@ -606,14 +653,14 @@ void save_checkpoint(const std::string& dir_in, const ShardedState& state_in, Co
 }
 
 void load_checkpoint(const std::string& path, ShardedState& state, Communicator& comm, const std::string& skip_prefix,
-                     const PrepareLoad& prepare) {
+                     const PrepareLoad& prepare, const SavedNames& names) {
   CheckpointIndex index;
   std::vector<at::Tensor> staged;
   const Outcome read = attempt([&] {
     index = read_checkpoint_index(path);
     if (prepare) prepare(index, state);
     check_state(state);
-    match(index, state, skip_prefix);
+    const std::vector<std::vector<std::string>> sources = match(index, state, skip_prefix, names);
     staged.resize(state.tensors.size());
     check_files(index);
     Pieces pieces;
@@ -624,7 +671,17 @@ void load_checkpoint(const std::string& path, ShardedState& state, Communicator&
     for (size_t i = 0; i < state.tensors.size(); ++i) {
       const StateTensor& t = state.tensors[i];
       staged[i] = at::empty(t.local.sizes(), at::TensorOptions().dtype(t.local.scalar_type()));
-      pieces.read_rows(t.name, index.tensors.at(t.name), t.first_row, staged[i]);
+      const std::string& first = sources[i].front();
+      pieces.read_rows(first, index.tensors.at(first), t.first_row, staged[i]);
+      for (size_t k = 1; k < sources[i].size(); ++k) {  // a tie saved under several names: the same values
+        const at::Tensor copy = at::empty_like(staged[i]);
+        pieces.read_rows(sources[i][k], index.tensors.at(sources[i][k]), t.first_row, copy);
+        if (!equal_bytes(copy, staged[i]))
+          throw std::invalid_argument("checkpoint '" + index.path + "' holds the tied weight '" + t.name + "' as '" +
+                                      first + "' and as '" + sources[i][k] + "', with different values (in rows [" +
+                                      std::to_string(t.first_row) + ", " + std::to_string(t.first_row + local_rows(t)) +
+                                      "), half-open): which one is the weight?");
+      }
     }
   });
   agree(comm, read, "load_checkpoint('" + path + "')");

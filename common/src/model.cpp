@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace shardlab {
@@ -87,7 +88,8 @@ void Initializer::fill_tensors(const std::vector<std::pair<std::string, at::Tens
                                const std::vector<at::Tensor>& buffers) {
   torch::NoGradGuard no_grad;
   for (const auto& [name, p] : params) {
-    if (filled_.insert(p.unsafeGetTensorImpl()).second) keep_.push_back(p);
+    if (!filled_.insert(p.unsafeGetTensorImpl()).second) continue;  // a tied weight's second name: drawn once
+    keep_.push_back(p);
     if (p.dim() >= 2) {
       p.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(p.size(1))), gen_);
     } else if (ends_with(name, "bias")) {
@@ -99,7 +101,8 @@ void Initializer::fill_tensors(const std::vector<std::pair<std::string, at::Tens
     }
   }
   for (const auto& b : buffers) {
-    if (filled_.insert(b.unsafeGetTensorImpl()).second) keep_.push_back(b);
+    if (!filled_.insert(b.unsafeGetTensorImpl()).second) continue;
+    keep_.push_back(b);
     if (at::isFloatingType(b.scalar_type())) b.uniform_(0.5, 1.5, gen_);
   }
 }
@@ -138,6 +141,16 @@ std::vector<std::pair<std::string, at::Tensor>> named_state(const torch::nn::Mod
     for (const auto& item : module.named_parameters(/*recurse=*/true)) add(item.key(), item.value());
   if (parts != StateParts::kParameters)
     for (const auto& item : module.named_buffers(/*recurse=*/true)) add(item.key(), item.value());
+  return out;
+}
+
+std::map<std::string, std::string> tied_names(const torch::nn::Module& module, StateParts parts) {
+  std::map<std::string, std::string> out;
+  std::unordered_map<const void*, std::string> first;
+  for (const auto& [name, t] : named_state(module, parts, /*once=*/false)) {
+    const auto [it, fresh] = first.emplace(t.unsafeGetTensorImpl(), name);
+    if (!fresh) out.emplace(name, it->second);
+  }
   return out;
 }
 

@@ -80,6 +80,10 @@ TinyGpt::TinyGpt(const GptConfig& c, uint64_t seed) : config_(c) {
     blocks_.push_back(register_unit("block" + std::to_string(i), init(std::make_shared<GptBlock>(c))));
   ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
   init.fill(*ln_f_);
+  // The output layer's name for the token embedding, as Hugging Face's GPT-2 registers it (its checkpoints hold
+  // the tie under either name, or both): a second registration of the same tensor, not a second tensor.
+  lm_head_ = register_module("lm_head", std::make_shared<torch::nn::Module>("lm_head"));
+  lm_head_->register_parameter("weight", wte_->weight);
 }
 
 at::Tensor TinyGpt::forward(const at::Tensor& tokens) {
@@ -90,7 +94,7 @@ at::Tensor TinyGpt::forward(const at::Tensor& tokens) {
   at::Tensor pos = at::arange(T, tokens.options().dtype(at::kLong));
   at::Tensor x = wte_->forward(tokens) + wpe_->forward(pos);
   for (auto& b : blocks_) x = b(x);
-  // The output layer is the token embedding itself (weight tying): one parameter, two uses.
+  // The output layer is the token embedding itself (weight tying): one parameter, two uses (and two names).
   return at::matmul(ln_f_->forward(x), wte_->weight.t());
 }
 

@@ -28,8 +28,11 @@ namespace shardlab::safetensors {
 //  - data offsets that do not tile the data section: sorted by start, each tensor starts where the one before
 //    ended, the first at 0, the last ends where the file ends (a truncated or extended file fails here);
 //  - a tensor whose byte count is not its element count times its element size.
-// A file written by write_file pads its header with spaces to a multiple of 8 bytes (as Hugging Face's writer
-// does), so every tensor's data starts 8-byte aligned when the tensors' sizes keep it so.
+// A file written by write_file is laid out as the safetensors library lays it out: the header padded with spaces
+// to a multiple of 8 bytes, "__metadata__" first, then the tensors by dtype (highest alignment first) and name,
+// each as {"dtype", "shape", "data_offsets"}, and the data in that order, so every tensor's data starts aligned to
+// its element size. For the same tensors and at most one metadata key (the library keeps its metadata in a hash
+// map, whose order is its own), the file is byte for byte the library's.
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors stores little-endian data");
 
@@ -44,6 +47,47 @@ const std::vector<std::pair<c10::ScalarType, const char*>>& names() {
       {c10::ScalarType::Short, "I16"},     {c10::ScalarType::Char, "I8"},   {c10::ScalarType::Byte, "U8"},
       {c10::ScalarType::Bool, "BOOL"}};
   return table;
+}
+
+// Where a dtype sorts in the safetensors library's layout: its Dtype enum lists them by increasing alignment
+// (BOOL, U8, I8, I16, F16, BF16, I32, F32, F64, I64), and its writer puts the highest first.
+int layout_rank(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Bool:
+      return 0;
+    case c10::ScalarType::Byte:
+      return 1;
+    case c10::ScalarType::Char:
+      return 2;
+    case c10::ScalarType::Short:
+      return 5;
+    case c10::ScalarType::Half:
+      return 7;
+    case c10::ScalarType::BFloat16:
+      return 8;
+    case c10::ScalarType::Int:
+      return 9;
+    case c10::ScalarType::Float:
+      return 11;
+    case c10::ScalarType::Double:
+      return 12;
+    case c10::ScalarType::Long:
+      return 13;
+    default:
+      return -1;  // not written (dtype_name refuses it first)
+  }
+}
+
+// The order the safetensors library lays tensors out in: by dtype, highest alignment first, then by name. Every
+// tensor's data then starts aligned to its element size, since the header pads the data's start to 8 bytes.
+std::vector<size_t> layout_order(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const int ra = layout_rank(tensors[a].second.scalar_type()), rb = layout_rank(tensors[b].second.scalar_type());
+    return ra != rb ? ra > rb : tensors[a].first < tensors[b].first;
+  });
+  return order;
 }
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
@@ -194,16 +238,21 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t crc) {
 std::vector<uint32_t> write_file(const std::string& path,
                                  const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                  const std::map<std::string, std::string>& metadata) {
-  nlohmann::json header = nlohmann::json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> seen;
-  uint64_t at = 0;
   for (const auto& [name, t] : tensors) {
     if (name.empty() || name == "__metadata__" || !seen.insert(name).second)
       throw std::invalid_argument("safetensors::write_file('" + path + "'): tensor name '" + name +
                                   "' is empty, reserved or repeated");
     if (!t.defined())
       throw std::invalid_argument("safetensors::write_file('" + path + "'): '" + name + "' is undefined");
+    dtype_name(t.scalar_type());  // throws for a dtype the format cannot hold
+  }
+  const std::vector<size_t> order = layout_order(tensors);
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t at = 0;
+  for (const size_t i : order) {
+    const auto& [name, t] = tensors[i];
     const uint64_t bytes = static_cast<uint64_t>(t.numel()) * t.element_size();
     header[name] = {
         {"dtype", dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {at, at + bytes}}};
@@ -213,15 +262,15 @@ std::vector<uint32_t> write_file(const std::string& path,
   text.append((8 - (8 + text.size()) % 8) % 8, ' ');
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail(path, std::string("cannot create: ") + std::strerror(errno));
-  std::vector<uint32_t> crcs;
+  std::vector<uint32_t> crcs(tensors.size());
   try {
     const uint64_t n = text.size();
     write_all(fd, &n, 8, path);
     write_all(fd, text.data(), text.size(), path);
-    for (const auto& [name, t] : tensors) {
-      const at::Tensor c = cpu_contiguous(t);
+    for (const size_t i : order) {
+      const at::Tensor c = cpu_contiguous(tensors[i].second);
       const size_t bytes = static_cast<size_t>(c.numel()) * c.element_size();
-      crcs.push_back(crc32(c.data_ptr(), bytes));
+      crcs[i] = crc32(c.data_ptr(), bytes);
       write_all(fd, c.data_ptr(), bytes, path);
     }
     if (::fsync(fd) != 0) fail(path, std::string("fsync failed: ") + std::strerror(errno));

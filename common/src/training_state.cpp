@@ -255,6 +255,7 @@ ShardedState replicated_state(torch::nn::Module& model, int rank) {
   ShardedState state;
   for (auto& [name, t] : named_state(model, StateParts::kParametersAndBuffers, /*once=*/true))
     state.tensors.push_back({name, t, t.sizes().vec(), 0, rank == 0});
+  state.aliases = tied_names(model, StateParts::kParametersAndBuffers);
   return state;
 }
 
@@ -284,14 +285,14 @@ void save_training_checkpoint(const std::string& dir, ShardedState model_state, 
 
 std::map<std::string, std::string> load_training_checkpoint(const std::string& path, ShardedState model_state,
                                                             torch::optim::Optimizer* optimizer, Communicator& comm,
-                                                            bool optimizer_if_saved) {
+                                                            bool optimizer_if_saved, const SavedNames& names) {
   std::unique_ptr<OptimizerLoad> load;
   PrepareLoad prepare;
   if (optimizer) {
     load = std::make_unique<OptimizerLoad>(*optimizer, optimizer_if_saved);
     prepare = [&](const CheckpointIndex& index, ShardedState& state) { load->prepare(index, state); };
   }
-  load_checkpoint(path, model_state, comm, optimizer ? "" : "optim.", prepare);
+  load_checkpoint(path, model_state, comm, optimizer ? "" : "optim.", prepare, names);
   if (load) load->install();
   return model_state.metadata;
 }

@@ -13,6 +13,7 @@
 #include "shardlab/hsdp/parallelize.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "support/group.h"
+#include "support/temp_dir.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -28,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <unistd.h>
 
@@ -37,17 +39,7 @@ namespace {
 namespace fs = std::filesystem;
 using test_support::test_group;
 
-// A fresh directory under the system's temporary one, removed with the object.
-struct TempDir {
-  std::string path;
-  explicit TempDir(const std::string& name)
-      : path((fs::temp_directory_path() / ("shardlab-test-" + name + "-" + std::to_string(::getpid()))).string()) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& leaf) const { return path + "/" + leaf; }
-};
+using test_support::TempDir;
 
 // Every tensor a checkpoint holds, whole (its export): what two checkpoints must agree on, bit for bit.
 std::map<std::string, at::Tensor> contents(const std::string& checkpoint) {
@@ -94,6 +86,12 @@ void train(Wrapper& wrapper, torch::optim::Optimizer& opt, Communicator& comm, c
   }
 }
 
+// Bytes per element of a safetensors dtype name.
+uint64_t back_elem(const std::string& dtype) {
+  const std::map<std::string, uint64_t> sizes = {{"I64", 8}, {"F64", 8}, {"F32", 4}, {"BF16", 2}};
+  return sizes.at(dtype);
+}
+
 TEST(Safetensors, WritesTheFormatHuggingFaceReadsAndReadsItBack) {
   TempDir dir("st");
   const std::string file = dir / "a.safetensors";
@@ -116,6 +114,24 @@ TEST(Safetensors, WritesTheFormatHuggingFaceReadsAndReadsItBack) {
   EXPECT_EQ(j["half"]["dtype"], "BF16");
   EXPECT_EQ(j["count"]["shape"], nlohmann::json::array());
   EXPECT_EQ(fs::file_size(file), 8 + n + 48 + 10 + 8 + 48);
+  // Laid out as the safetensors library lays a file out: "__metadata__" first, then by dtype, highest alignment
+  // first (I64 before F64 before F32 before BF16: its Dtype order), then by name; the data in that order, each
+  // tensor's start aligned to its element size.
+  const auto ordered = nlohmann::ordered_json::parse(header);
+  std::vector<std::string> keys;
+  for (const auto& item : ordered.items()) keys.push_back(item.key());
+  EXPECT_EQ(keys, (std::vector<std::string>{"__metadata__", "count", "strided", "w", "half"}));
+  uint64_t at = 0;
+  for (size_t k = 1; k < keys.size(); ++k) {
+    const auto& e = ordered[keys[k]];
+    std::vector<std::string> fields;
+    for (const auto& item : e.items()) fields.push_back(item.key());
+    EXPECT_EQ(fields, (std::vector<std::string>{"dtype", "shape", "data_offsets"})) << keys[k];
+    EXPECT_EQ(e["data_offsets"][0].get<uint64_t>(), at) << keys[k] << ": the data follows the header's order";
+    at = e["data_offsets"][1].get<uint64_t>();
+    const uint64_t elem = back_elem(e["dtype"].get<std::string>());
+    EXPECT_EQ((8 + n + e["data_offsets"][0].get<uint64_t>()) % elem, 0U) << keys[k] << " is not aligned";
+  }
   const auto back = safetensors::load_file(file);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& [name, t] = tensors[i];

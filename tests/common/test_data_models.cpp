@@ -72,9 +72,12 @@ TEST(Models, TinyGptTiesItsOutputLayerToTheEmbedding) {
   ASSERT_TRUE(model);
   const auto& c = model->config();
   int64_t matrices_of_vocab_rows = 0;
-  for (const auto& p : model->parameters())
+  for (const auto& p : trainable_parameters(*model))
     if (p.dim() == 2 && p.size(0) == c.vocab) ++matrices_of_vocab_rows;
   EXPECT_EQ(matrices_of_vocab_rows, 1) << "one [vocab, dim] matrix: embedding and output are the same parameter";
+  const auto named = model->named_parameters();
+  EXPECT_TRUE(named["lm_head.weight"].is_same(named["wte.weight"]))
+      << "the output layer's name for it, as GPT-2's lm_head.weight, is the same tensor";
   auto data = make_dataset("tiny_gpt", 1);
   Batch b = data->global_batch(0, 2);
   EXPECT_EQ(model->forward(b.input).sizes(), (std::vector<int64_t>{2, c.block, c.vocab}));

@@ -10,15 +10,13 @@
 #include "support/counting_allocator.h"
 #include "support/fsdp_case.h"
 #include "support/group.h"
+#include "support/temp_dir.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
-#include <unistd.h>
-
-#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -171,9 +169,8 @@ TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsHoldingOnlyEachRanksRows) 
   c.layers = 8;
   c.dim = 64;
   const int world = 4;
-  const std::string file = (std::filesystem::temp_directory_path() /
-                            ("shardlab-sharded-load-" + std::to_string(::getpid()) + ".safetensors"))
-                               .string();
+  const test_support::TempDir dir("sharded-load");
+  const std::string file = dir / "model.safetensors";
   TrainConfig saved_config = c;
   saved_config.seed = c.seed + 5;
   auto saved = make_model(saved_config, at::kCPU);
@@ -202,7 +199,6 @@ TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsHoldingOnlyEachRanksRows) 
         loaded[comm.rank()] = on_cpu(fsdp.full_parameters());
       },
       test_group());
-  std::filesystem::remove(file);
   // Each rank holds its rows of every tensor while the load is checked (all or nothing), then writes them into its
   // shards: about a quarter of the model per rank, twice at most; a rank that read every tensor whole would hold
   // the model.

@@ -70,8 +70,8 @@ with tempfile.TemporaryDirectory() as tmp:
     prefix = os.path.join(tmp, "ddp")
     run("bench", "--section", "ddp", "--steps", "3", "--repeat", "1", "--out", prefix)  # tiny_gpt: the peer's model
     bench = json.load(open(prefix + ".json"))
-    check(list(bench) == ["ddp", "fsdp", "reduce_scatter", "hsdp"] and bench["fsdp"] is None
-          and bench["hsdp"] is None, f"the sections, null where not run: {list(bench)}")
+    check(list(bench) == ["ddp", "fsdp", "reduce_scatter", "hsdp", "real"] and bench["fsdp"] is None
+          and bench["hsdp"] is None and bench["real"] is None, f"the sections, null where not run: {list(bench)}")
     ddp = bench["ddp"]
     check(list(ddp) == ["pytorch_ddp", "repeat", "threads", "strategies"], f"the DDP section's keys: {list(ddp)}")
     peer = ddp["pytorch_ddp"]

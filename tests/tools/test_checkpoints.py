@@ -220,23 +220,70 @@ with tempfile.TemporaryDirectory() as tmp:
                 index = starts.unsqueeze(1) + torch.arange(32).unsqueeze(0)
                 return tokens[index], tokens[index + 1]
 
+            def loss_of(m, step):
+                with torch.no_grad():
+                    return m(*global_batch(step)).item()
+
+            # The tiny GPT ties its output layer to the token embedding under two names, wte.weight and
+            # lm_head.weight, as GPT-2 does; shardlab's file holds the tie once, under its first name. PyTorch's
+            # load_state_dict(strict=True) would call lm_head.weight missing: strict up to the tie.
             model = gpt(5)
-            missing = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=True)
-            check(not missing.missing_keys and not missing.unexpected_keys, "the export loads into PyTorch's tiny GPT")
-            with torch.no_grad():
-                loss = model(*global_batch(2)).item()
+            missing = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()}, strict=False)
+            check(missing.missing_keys == ["lm_head.weight"] and not missing.unexpected_keys and
+                  model.lm_head.weight is model.wte.weight,
+                  f"the export loads into PyTorch's tiny GPT, the tie once: missing {missing.missing_keys}, "
+                  f"unexpected {missing.unexpected_keys}")
+            loss = loss_of(model, 2)
             check(abs(loss - resumed["losses"][0]) <= 1e-5 * abs(loss),
                   f"PyTorch's loss on step 2's batch {loss:.7f} = shardlab's {resumed['losses'][0]:.7f}")
-            # PyTorch -> shardlab: its weights as safetensors start a run; the first loss is PyTorch's.
+            # PyTorch -> shardlab: its weights as safetensors start a run; the first loss is PyTorch's. A plain
+            # state_dict holds the tie under both names (equal): shardlab takes it under both.
             theirs = gpt(7)
             torch_file = os.path.join(tmp, "torch.safetensors")
-            write_safetensors(torch_file, {k: v.detach().numpy() for k, v in theirs.state_dict().items()})
+            state = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+            check("lm_head.weight" in state and "wte.weight" in state, f"a state_dict names the tie twice: {sorted(state)}")
+            write_safetensors(torch_file, state)
             started = train(tmp, "from_torch", "--strategy", "single", "--world-size", "1", "--steps", "1", *common,
                             "--resume", torch_file)
-            with torch.no_grad():
-                expected = theirs(*global_batch(0)).item()
+            expected = loss_of(theirs, 0)
             check(abs(started["losses"][0] - expected) <= 1e-5 * abs(expected),
                   f"shardlab's first loss from PyTorch's weights {started['losses'][0]:.7f} = PyTorch's {expected:.7f}")
+
+            # Hugging Face's safetensors.torch with PyTorch, both ways (CI's trixie line: torch 2.6).
+            try:
+                from safetensors import safe_open
+                from safetensors.torch import load_model, save_model
+            except ImportError:
+                print("skip: Hugging Face's safetensors.torch is not installed here (CI's trixie line has it, with "
+                      "torch 2.6)")
+            else:
+                print(f"PyTorch {torch.__version__} with Hugging Face's safetensors.torch")
+                with safe_open(model_file, framework="pt") as f:
+                    check(f.metadata().get("format") == "pt", f"the export's metadata says format pt: {f.metadata()}")
+                model = gpt(9)
+                missing, unexpected = load_model(model, model_file, strict=True)
+                check(not missing and not unexpected and model.lm_head.weight is model.wte.weight,
+                      f"load_model(strict=True) takes the export, the tie kept: {missing}, {unexpected}")
+                loss = loss_of(model, 2)
+                check(abs(loss - resumed["losses"][0]) <= 1e-5 * abs(loss),
+                      f"after load_model, PyTorch's loss on step 2's batch {loss:.7f} = shardlab's "
+                      f"{resumed['losses'][0]:.7f}")
+                # save_model keeps one name of the tie by its own rule: the name that sorts first, lm_head.weight,
+                # which is not the first registered (what shardlab saves).
+                theirs = gpt(11)
+                hf_file = os.path.join(tmp, "save_model.safetensors")
+                save_model(theirs, hf_file)
+                with safe_open(hf_file, framework="pt") as f:
+                    keys = set(f.keys())
+                check("lm_head.weight" in keys and "wte.weight" not in keys,
+                      f"save_model kept the tie as lm_head.weight only: {sorted(keys)}")
+                for strategy, world in (("single", "1"), ("fsdp", "2")):
+                    started = train(tmp, f"from_save_model_{strategy}", "--strategy", strategy, "--world-size", world,
+                                    "--steps", "1", *common, "--resume", hf_file)
+                    expected = loss_of(theirs, 0)
+                    check(abs(started["losses"][0] - expected) <= 1e-5 * abs(expected),
+                          f"{strategy}: shardlab's first loss from save_model's file {started['losses'][0]:.7f} = "
+                          f"PyTorch's {expected:.7f}")
 
     # ---- 3. kills ----------------------------------------------------------------------------------------------------
     if "kills" not in PARTS:

@@ -77,9 +77,10 @@ class GptBlock(nn.Module):
 
 
 class TinyGpt(nn.Module):
-    """Token + position embeddings, `layers` blocks, final LayerNorm, output tied to wte (shardlab::TinyGpt)."""
+    """Token + position embeddings, `layers` blocks, final LayerNorm, output tied to wte, also named lm_head.weight
+    (shardlab::TinyGpt)."""
 
-    def __init__(self, vocab, block, dim, heads, layers, seed):
+    def __init__(self, vocab, block, dim, heads, layers, seed, init=True):
         super().__init__()
         self.block = block
         self.wte = nn.Embedding(vocab, dim)
@@ -88,7 +89,10 @@ class TinyGpt(nn.Module):
             self.add_module(f"block{i}", GptBlock(dim, heads))
         self.blocks = [getattr(self, f"block{i}") for i in range(layers)]  # plain list: registers nothing
         self.ln_f = nn.LayerNorm(dim)
-        self._init(seed)
+        self.lm_head = nn.Module()  # wte's second name, as in Hugging Face's GPT-2 (and shardlab's tiny GPT)
+        self.lm_head.register_parameter("weight", self.wte.weight)
+        if init:  # not on the meta device (torch_fsdp.py --meta initializes after sharding)
+            self._init(seed)
 
     @torch.no_grad()
     def _init(self, seed):

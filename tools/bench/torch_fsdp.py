@@ -113,6 +113,45 @@ class ByteCounter:
         self.payload, self.sent, self.calls = 0, 0.0, {}
 
 
+def status_mib(field):
+    """A /proc/self/status figure (kB) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def rss_mib():
+    return status_mib("VmRSS")
+
+
+def peak_mib():
+    return status_mib("VmHWM")
+
+
+def reset_peak():
+    """VmHWM from now on (clear_refs' 5, as shardlab's worker does)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+@torch.no_grad()
+def init_sharded(model, seed):
+    """init_parameters' rule on the shards (values differ from the unsharded model's: only speed and memory matter)."""
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, 1.0 / p.size(1) ** 0.5)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description="PyTorch FSDP2 (gloo, CPU) on shardlab's tiny_gpt shape.")
     p.add_argument("--steps", type=int, default=20)
@@ -129,6 +168,8 @@ def parse_args(argv):
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--mesh", metavar="RxS", help="HSDP on a 2-D mesh of R replicas x S shards (default: FSDP)")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device, shard it, then to_empty and initialize the shards")
     p.add_argument("--json", metavar="FILE")
     return p.parse_args(argv)
 
@@ -144,7 +185,12 @@ def main(argv):
     counter.install()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout))
-    model = torch_ddp.TinyGpt(args.vocab, args.block, args.dim, args.heads, args.layers, args.seed)
+    base = rss_mib()
+    if args.meta:  # as FSDP2's users build a large model: no storage until each rank's shards exist
+        with torch.device("meta"):
+            model = torch_ddp.TinyGpt(args.vocab, args.block, args.dim, args.heads, args.layers, args.seed, init=False)
+    else:
+        model = torch_ddp.TinyGpt(args.vocab, args.block, args.dim, args.heads, args.layers, args.seed)
     param_count = sum(p.numel() for p in model.parameters())
     raf = args.reshard_after_forward == "true"
     kw = {}
@@ -155,6 +201,10 @@ def main(argv):
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=raf, **kw)
     fully_shard(model, **kw)  # the root: FSDP2 does not reshard the root after forward (used again first in backward)
+    if args.meta:
+        model.to_empty(device="cpu")  # each rank's shards only
+        init_sharded(model, args.seed)
+    built = peak_mib()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     step_ms, payload, sent, loss = [], [], [], None
@@ -167,12 +217,21 @@ def main(argv):
         loss.backward()
         opt.step()
         elapsed = time.perf_counter() - start
+        if step + 1 == args.warmup:
+            run_peak = peak_mib()
+            reset_peak()  # the steady peak: over the timed steps
         if step >= args.warmup:
             step_ms.append(elapsed * 1e3)
             payload.append(counter.payload)
             sent.append(counter.sent)
     calls = dict(counter.calls)
 
+    steady = peak_mib()
+    if args.warmup == 0:
+        run_peak = steady
+    memory = [None] * world
+    dist.all_gather_object(memory, {"base": base, "construction": built, "run_peak": max(run_peak, steady),
+                                    "steady_peak": steady})
     final = loss.detach().clone()
     dist.all_reduce(final)
     if rank == 0:
@@ -192,6 +251,13 @@ def main(argv):
             "sent_bytes_per_step": statistics.median(sent),
             "collectives_per_step": calls,
             "final_loss": final.item() / world,
+            "built_on_meta": args.meta,
+            # Per rank, MiB of resident memory (VmHWM): the process before the model, its peak by the end of
+            # construction, over the whole run, and over the timed steps (reset after warm-up).
+            "base_rss_mib": [m["base"] for m in memory],
+            "construction_rss_mib": [m["construction"] for m in memory],
+            "run_peak_rss_mib": [m["run_peak"] for m in memory],
+            "peak_rss_mib": [m["steady_peak"] for m in memory],
         }
         print(f"pytorch-fsdp2 world {world} raf {raf}: median step {result['median_step_ms']:.2f} ms, "
               f"payload {result['payload_bytes_per_step']} B/step, collectives {calls}")

@@ -35,12 +35,16 @@ struct FsdpBenchResult {
 /// What one run of PyTorch FSDP2 (tools/bench/torch_fsdp.py, in the trixie root) gave.
 struct Fsdp2Result {
   bool ok = false;
-  std::string why;         ///< when !ok
-  double step_ms = 0;      ///< median step, rank 0
-  double param_count = 0;  ///< parameters of its model (to check the shape is shardlab's)
-  double payload = 0;      ///< bytes per step handed to the collectives, rank 0
-  double sent = 0;         ///< bytes per step a ring sends for them, rank 0, by each collective's group size
-  std::string version;     ///< torch's
+  std::string why;              ///< when !ok
+  double step_ms = 0;           ///< median step, rank 0
+  double param_count = 0;       ///< parameters of its model (to check the shape is shardlab's)
+  double payload = 0;           ///< bytes per step handed to the collectives, rank 0
+  double sent = 0;              ///< bytes per step a ring sends for them, rank 0, by each collective's group size
+  std::string version;          ///< torch's
+  double base_mib = 0;          ///< the most over the ranks of: resident memory before the model (MiB)
+  double construction_mib = 0;  ///< ... its peak by the end of construction
+  double run_peak_mib = 0;      ///< ... its peak over the whole run
+  double peak_mib = 0;          ///< ... its peak over the timed steps
 };
 
 /// Why PyTorch FSDP2 cannot run from `root` (not root, no trixie root, no python3-torch in it), or "" when it can.
@@ -49,7 +53,16 @@ std::string fsdp2_root_problem(const std::string& root);
 /// Runs PyTorch FSDP2 on `run`'s model shape, world size, batch, steps and threads, from `options`' root and
 /// scripts: FSDP over every rank, or HSDP on `mesh` ("RxS", as shardlab's --mesh). /proc must be mounted in the
 /// root (ProcMount). A failure is reported in the result, not thrown.
-Fsdp2Result run_fsdp2(const FsdpBenchOptions& options, const RunOptions& run, bool raf, const std::string& mesh);
+/// @param meta build the model on the meta device, shard it, then to_empty and initialize the shards (how FSDP2's
+///        users build a model larger than one rank); false: built whole on every rank first.
+Fsdp2Result run_fsdp2(const FsdpBenchOptions& options, const RunOptions& run, bool raf, const std::string& mesh,
+                      bool meta = false);
+
+/// The real-size section: the tiny GPT at 25M parameters on 2 ranks and 151M on 4, FSDP with prefetch beside
+/// bucketed DDP and PyTorch FSDP2 built on the meta device: the step, the exposed communication, and each rank's
+/// resident memory at construction, over the run and over the steady steps. Only when asked for (--section real):
+/// minutes, not seconds. @throws std::runtime_error when a shardlab run fails (a peer failure is reported).
+FsdpBenchResult run_real_bench(const FsdpBenchOptions& options, const std::string& self_exe);
 
 /// Mounts /proc inside a root while it lives (torch reads it); unmounts it again only if it mounted it.
 class ProcMount {
@@ -119,7 +132,7 @@ std::string json_string(const nlohmann::json& j, const std::string& key);
 
 /// What `shardlab bench` takes besides the run options.
 struct BenchFlags {
-  std::string section = "all";              ///< --section ddp|fsdp|reduce_scatter|hsdp|all
+  std::string section = "all";              ///< --section ddp|fsdp|reduce_scatter|hsdp|all|real (all: not real)
   int repeat = 3;                           ///< --repeat: each figure is the best median of this many rounds
   std::string out;                          ///< --out PREFIX for PREFIX.json / PREFIX.md ("" = print only)
   bool no_torch = false;                    ///< --no-torch: no PyTorch peers

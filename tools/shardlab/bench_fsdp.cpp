@@ -65,7 +65,7 @@ std::string fsdp2_root_problem(const std::string& root) {
   return "";
 }
 
-Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, const std::string& mesh) {
+Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, const std::string& mesh, bool meta) {
   Fsdp2Result p;
   const fs::path inside = "/tmp/shardlab-bench";
   const fs::path dir = fs::path(b.torch_root) / inside.relative_path();
@@ -102,6 +102,7 @@ Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, 
                                 "--json",
                                 json};
   if (!mesh.empty()) argv.insert(argv.end(), {"--mesh", mesh});
+  if (meta) argv.emplace_back("--meta");
   const PeerRun run = run_peer_script(o, argv, (dir / "fsdp.json").string());
   if (!run.ok) {
     p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
@@ -120,6 +121,18 @@ Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, 
   p.payload = json_number(j, "payload_bytes_per_step");
   p.sent = json_number(j, "sent_bytes_per_step");
   p.version = json_string(j, "torch_version");
+  const auto most = [&j](const char* key) {
+    double m = NAN;
+    const auto it = j.find(key);
+    if (it != j.end() && it->is_array())
+      for (const auto& v : *it)
+        if (v.is_number()) m = std::isnan(m) ? v.get<double>() : std::max(m, v.get<double>());
+    return m;
+  };
+  p.base_mib = most("base_rss_mib");
+  p.construction_mib = most("construction_rss_mib");
+  p.run_peak_mib = most("run_peak_rss_mib");
+  p.peak_mib = most("peak_rss_mib");
   return p;
 }
 

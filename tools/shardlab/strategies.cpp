@@ -83,7 +83,7 @@ std::vector<at::Tensor> optimizer_parameters(fsdp::FullyShardedModel& w, Model&)
 // shards one unit at a time (a collective).
 template <typename Wrapper>
 void visit_full_parameters_of(Wrapper&, Model& model, const ParameterVisitor& visit) {
-  for (const auto& p : model.parameters()) visit(p);
+  for (const auto& p : model.parameters()) visit(p);  // per registration, as the reference and FSDP list them
 }
 void visit_full_parameters_of(fsdp::FullyShardedModel& w, Model&, const ParameterVisitor& visit) {
   w.visit_full_parameters([&visit](size_t, const at::Tensor& p) { visit(p); });
@@ -92,7 +92,7 @@ void visit_full_parameters_of(fsdp::FullyShardedModel& w, Model&, const Paramete
 // Bytes of every parameter, and of every trainable parameter's gradient: what a replica holds.
 MemoryFigures replica_memory(const Model& model) {
   MemoryFigures m;
-  for (const auto& p : model.parameters()) {
+  for (const auto& [name, p] : named_state(model, StateParts::kParameters, /*once=*/true)) {
     m.peak_param_bytes += static_cast<double>(p.numel() * p.element_size());
     if (p.requires_grad()) m.peak_grad_bytes += static_cast<double>(p.numel() * p.element_size());
   }
@@ -447,8 +447,8 @@ std::vector<UnitShards> unit_shards(const Model& model, int world) {
     for (const auto& p : params) in_unit.insert(p.unsafeGetTensorImpl());
     add(params, false);
   }
-  std::vector<at::Tensor> root;
-  for (const auto& p : model.parameters())
+  std::vector<at::Tensor> root;  // a tied weight once
+  for (const auto& [name, p] : named_state(model, StateParts::kParameters, /*once=*/true))
     if (!in_unit.count(p.unsafeGetTensorImpl())) root.push_back(p);
   if (!root.empty()) add(root, true);
   return units;

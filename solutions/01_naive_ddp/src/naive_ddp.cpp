@@ -47,8 +47,9 @@ void NaiveDDP::save_checkpoint(const std::string& dir, torch::optim::Optimizer* 
 
 std::map<std::string, std::string> NaiveDDP::load_checkpoint(const std::string& path,
                                                              torch::optim::Optimizer* optimizer,
-                                                             bool optimizer_if_saved) {
-  return load_training_checkpoint(path, replicated_state(*module_, comm_.rank()), optimizer, comm_, optimizer_if_saved);
+                                                             bool optimizer_if_saved, const SavedNames& names) {
+  return load_training_checkpoint(path, replicated_state(*module_, comm_.rank()), optimizer, comm_, optimizer_if_saved,
+                                  names);
 }
 
 void broadcast_state(Model& module, Communicator& comm, StructureCheck check) {

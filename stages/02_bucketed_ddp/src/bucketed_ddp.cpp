@@ -176,9 +176,9 @@ void BucketedDDP::save_checkpoint(const std::string& dir, torch::optim::Optimize
 
 std::map<std::string, std::string> BucketedDDP::load_checkpoint(const std::string& path,
                                                                 torch::optim::Optimizer* optimizer,
-                                                                bool optimizer_if_saved) {
-  auto meta =
-      load_training_checkpoint(path, replicated_state(*module_, comm_.rank()), optimizer, comm_, optimizer_if_saved);
+                                                                bool optimizer_if_saved, const SavedNames& names) {
+  auto meta = load_training_checkpoint(path, replicated_state(*module_, comm_.rank()), optimizer, comm_,
+                                       optimizer_if_saved, names);
   const auto order = meta.find(kOrderKey);
   const auto caps = meta.find(kCapsKey);
   if (order == meta.end() || caps == meta.end()) return meta;

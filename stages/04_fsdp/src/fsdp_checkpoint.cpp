@@ -23,14 +23,21 @@ ShardedState FullyShardedModel::checkpoint_state(bool saves) {
   reshard_all();
   ShardedState state;
   const int rank = comm_.rank();
-  std::set<std::pair<size_t, size_t>> taken;  // a tensor registered twice (tied) is saved once, under its first name
-  for (const auto& [u, k] : order_) {
-    if (!taken.insert({u, k}).second) continue;
+  // A tensor registered twice (tied) is saved once, under its first name; its other names are aliases.
+  std::set<std::pair<size_t, size_t>> taken;
+  size_t i = 0;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    const auto [u, k] = order_.at(i++);
     const FsdpParam& p = units_[u]->params()[k];
-    state.tensors.push_back({p.name, p.sharded, p.spec.sizes, p.spec.first_row_of(rank), saves});
+    if (taken.insert({u, k}).second)
+      state.tensors.push_back({p.name, p.sharded, p.spec.sizes, p.spec.first_row_of(rank), saves});
+    else
+      state.aliases.emplace(item.key(), p.name);
   }
+  SHARDLAB_INTERNAL_ASSERT(i == order_.size(), "order_ lists the registrations as named_parameters does");
   for (auto& [name, b] : named_state(*model_, StateParts::kBuffers, /*once=*/true))
     state.tensors.push_back({name, b, b.sizes().vec(), 0, saves && rank == 0});
+  for (auto& [alias, name] : tied_names(*model_, StateParts::kBuffers)) state.aliases.emplace(alias, name);
   return state;
 }
 
@@ -45,8 +52,9 @@ void FullyShardedModel::save_checkpoint(const std::string& dir, torch::optim::Op
 
 std::map<std::string, std::string> FullyShardedModel::load_checkpoint(const std::string& path,
                                                                       torch::optim::Optimizer* optimizer,
-                                                                      bool optimizer_if_saved) {
-  return load_training_checkpoint(path, checkpoint_state(), optimizer, comm_, optimizer_if_saved);
+                                                                      bool optimizer_if_saved,
+                                                                      const SavedNames& names) {
+  return load_training_checkpoint(path, checkpoint_state(), optimizer, comm_, optimizer_if_saved, names);
 }
 
 }  // namespace shardlab::fsdp

@@ -59,10 +59,10 @@ void DataParallel::save_checkpoint(const std::string& dir, torch::optim::Optimiz
 
 std::map<std::string, std::string> DataParallel::load_checkpoint(const std::string& path,
                                                                  torch::optim::Optimizer* optimizer,
-                                                                 bool optimizer_if_saved) {
-  if (kind_ == Kind::kDdp) return ddp_->load_checkpoint(path, optimizer, optimizer_if_saved);
+                                                                 bool optimizer_if_saved, const SavedNames& names) {
+  if (kind_ == Kind::kDdp) return ddp_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
   return load_training_checkpoint(path, sharded_->checkpoint_state(), optimizer, mesh_.world().world(),
-                                  optimizer_if_saved);
+                                  optimizer_if_saved, names);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> DataParallel::full_state_dict() {

@@ -44,7 +44,17 @@ struct StateTensor {
 struct ShardedState {
   std::vector<StateTensor> tensors;             ///< in any order; names unique
   std::map<std::string, std::string> metadata;  ///< strings saved alongside (the step, the data position, ...)
+  /// Other names of a tensor in `tensors` (a tied weight's later registrations, model.h's tied_names) mapped to
+  /// its name there. A save writes the tensor once, under its name; a load takes it under any of its names, or
+  /// under several, which must then hold the same values (Note [A tied weight in a file]).
+  std::map<std::string, std::string> aliases;
 };
+
+/// How a load names what a file holds: given a saved tensor's name, the name of the model's tensor it is ("" to
+/// leave it out of the load). Empty: the saved names are the model's. For a file whose names are not the model's,
+/// such as Hugging Face's dotted `layers.0.mlp.fc.weight` where a shardlab unit is `layers_0` (a libtorch
+/// submodule's name holds no dot), or a prefix (`model.`) the model does not have.
+using SavedNames = std::function<std::string(const std::string& saved_name)>;
 
 /// One piece of a saved tensor: rows [first_row, first_row + rows) held by `file`.
 struct SavedPiece {
@@ -118,11 +128,14 @@ using PrepareLoad = std::function<void(const CheckpointIndex& index, ShardedStat
 /// @param skip_prefix saved tensors whose names start with it may be absent from `state` (e.g. "optim." when no
 ///        optimizer is loaded); empty: every saved tensor must be in `state`.
 /// @param prepare called with the index before anything is matched (see PrepareLoad); empty: nothing.
+/// @param names the model's name of each saved tensor (see SavedNames); empty: the saved names.
 /// @throws std::invalid_argument on every rank when the checkpoint does not match `state` (a tensor missing or
-///         extra, another dtype or shape); std::runtime_error on every rank naming the file when a file is missing,
-///         truncated or corrupt (a CRC-32 differs). Nothing in `state` has changed then.
+///         extra, another dtype or shape, two saved tensors named as one, a tied weight saved under two names with
+///         different values); std::runtime_error on every rank naming the file when a file is missing, truncated
+///         or corrupt (a CRC-32 differs). Nothing in `state` has changed then.
 void load_checkpoint(const std::string& path, ShardedState& state, Communicator& comm,
-                     const std::string& skip_prefix = "", const PrepareLoad& prepare = {});
+                     const std::string& skip_prefix = "", const PrepareLoad& prepare = {},
+                     const SavedNames& names = {});
 
 /// Saves `state` as a full checkpoint: one safetensors file at `file`, every tensor whole, written by rank 0 (the
 /// other ranks send it their rows) through a temporary file and a rename. The metadata and every tensor's CRC-32

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -152,8 +153,8 @@ at::Tensor UnitRef<M>::operator()(const at::Tensor& x) const {
 }
 
 /// Fills every parameter and buffer of `module` from a private generator seeded with `seed` (normal, std 0.02 for
-/// matrices, zeros for biases, ones for norm weights). Used by the models; exposed for tests that need ranks to
-/// start from different weights.
+/// matrices, zeros for biases, ones for norm weights), each tensor once (a tied weight at its first name). Used by
+/// the models; exposed for tests that need ranks to start from different weights.
 void init_parameters(torch::nn::Module& module, uint64_t seed);
 
 /// init_parameters, drawn part by part as a model is built (Note [Building a model unit by unit] in model.cpp): one
@@ -165,7 +166,8 @@ class Initializer {
  public:
   /// A generator seeded with `seed`, as init_parameters seeds it.
   explicit Initializer(uint64_t seed);
-  /// Fills `module`'s parameters, then its buffers, from the next draws.
+  /// Fills `module`'s parameters, then its buffers, from the next draws; a tensor this initializer filled before (a
+  /// tied weight's second name) is not drawn again.
   void fill(torch::nn::Module& module);
   /// fill(*module), then returns `module`: `register_unit("block0", init(std::make_shared<Block>(...)))`.
   template <typename M>
@@ -174,8 +176,7 @@ class Initializer {
     return module;
   }
   /// Fills what is left of the root: every parameter of `model` outside its units that this initializer has not
-  /// filled yet, then every such buffer. (A tensor registered under two names, once in a part already filled, is
-  /// not drawn again here, where init_parameters would draw it twice.)
+  /// filled yet, then every such buffer.
   void fill_root(Model& model);
 
  private:
@@ -201,6 +202,12 @@ enum class StateParts {
 /// @param once list a tensor registered under several names once.
 std::vector<std::pair<std::string, at::Tensor>> named_state(const torch::nn::Module& module, StateParts parts,
                                                             bool once);
+
+/// Every later name of a tensor registered under several names (a tied weight: Hugging Face's GPT-2 registers its
+/// token embedding as `lm_head.weight` too), mapped to its first name, the one named_state lists with `once`.
+/// @param module the model.
+/// @param parts which tensors to look at.
+std::map<std::string, std::string> tied_names(const torch::nn::Module& module, StateParts parts);
 
 /// Parameters of `model` that require grad, in registration order; a tensor registered under two names (a tied
 /// weight) once, where it first appears, so that an optimizer steps it once and a wrapper reduces it once.

@@ -50,8 +50,9 @@ class GptBlock : public torch::nn::Module {
 };
 
 /// A character-level GPT: token + position embeddings, causal attention blocks, a final LayerNorm, and an output
-/// layer tied to the token embedding (one parameter used twice). Each block is a unit; the embeddings, the final
-/// LayerNorm and so the tied output layer are the root.
+/// layer tied to the token embedding (one parameter used twice, registered under two names as Hugging Face's GPT-2
+/// does: `wte.weight` and `lm_head.weight`). Each block is a unit; the embeddings, the final LayerNorm and so the
+/// tied output layer are the root.
 class TinyGpt : public Model {
  public:
   /// Builds the model and draws its parameters from `seed`.
@@ -68,6 +69,7 @@ class TinyGpt : public Model {
   torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
   std::vector<UnitRef<GptBlock>> blocks_;
   torch::nn::LayerNorm ln_f_{nullptr};
+  std::shared_ptr<torch::nn::Module> lm_head_;  // holds no tensor of its own: its `weight` is wte's
 };
 
 /// A small classifier with every edge case a data-parallel wrapper must handle:

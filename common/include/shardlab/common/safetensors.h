@@ -48,7 +48,8 @@ c10::ScalarType dtype_of(const std::string& name);
 uint32_t crc32(const void* data, size_t bytes, uint32_t crc = 0);
 
 /// Writes `tensors` (name, tensor; any device, any strides: each is copied to contiguous CPU memory as needed)
-/// and `metadata` to `path` in the given order, then flushes the file to the disk (fsync).
+/// and `metadata` to `path`, laid out as the safetensors library lays a file out (by dtype, highest alignment
+/// first, then by name; each tensor's data aligned to its element size), then flushes the file to the disk (fsync).
 /// @return the CRC-32 of each tensor's bytes, in the given order.
 /// @throws std::invalid_argument for a duplicate or empty name, a name "__metadata__", an undefined tensor or an
 ///         unsupported dtype, before the file is created; std::runtime_error naming the file when the system

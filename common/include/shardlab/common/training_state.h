@@ -21,7 +21,8 @@
 namespace shardlab {
 
 /// The model's parameters and buffers as a replica holds them (every rank all of it; rank 0 saves): full names,
-/// registration order, a tensor registered under two names (a tied weight) once, under its first name.
+/// registration order, a tensor registered under two names (a tied weight) once, under its first name (its other
+/// names in ShardedState::aliases).
 /// @param model the model.
 /// @param rank this rank in the group that saves; only rank 0's tensors are written.
 ShardedState replicated_state(torch::nn::Module& model, int rank);
@@ -54,8 +55,11 @@ void save_training_checkpoint(const std::string& dir, ShardedState model_state, 
 /// @throws std::invalid_argument on every rank when the checkpoint holds another model, another optimizer kind,
 ///         Adam's state without amsgrad's for an amsgrad optimizer, or no optimizer state (see
 ///         `optimizer_if_saved`); as load_checkpoint otherwise.
+/// @param names the model's name of each saved tensor (checkpoint.h's SavedNames); empty: the saved names. The
+///        optimizer's state is looked for under the model's names.
 std::map<std::string, std::string> load_training_checkpoint(const std::string& path, ShardedState model_state,
                                                             torch::optim::Optimizer* optimizer, Communicator& comm,
-                                                            bool optimizer_if_saved = false);
+                                                            bool optimizer_if_saved = false,
+                                                            const SavedNames& names = {});
 
 }  // namespace shardlab

@@ -17,6 +17,7 @@
 /// References: picotron DataParallelNaive (and its issue #39: the hook must see the accumulated gradient, and
 /// must all-reduce the gradient, not the parameter); PyTorch DDP `no_sync`.
 
+#include "shardlab/common/checkpoint.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
@@ -94,10 +95,12 @@ class NaiveDDP {
   /// @param optimizer built over parameters(); null to load the model only.
   /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
   ///        leaves `optimizer` as it is (load_training_checkpoint).
+  /// @param names the model's name of each saved tensor, for a file named otherwise (a Hugging Face file's dotted
+  ///        names; checkpoint.h's SavedNames); empty: the saved names. A tied weight loads under any of its names.
   /// @return the saved metadata.
   /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false);
+                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
 
  private:
   // ---- Task 2: gradient synchronization. The given code calls these two; the state they share is yours (below).

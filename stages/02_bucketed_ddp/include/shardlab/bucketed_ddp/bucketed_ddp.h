@@ -24,6 +24,7 @@
 #include "shardlab/bucketed_ddp/bucket_plan.h"
 #include "shardlab/bucketed_ddp/bucket_reducer.h"
 #include "shardlab/bucketed_ddp/cap_tuning.h"
+#include "shardlab/common/checkpoint.h"
 #include "shardlab/common/communicator.h"
 #include "shardlab/common/grad_ready.h"
 #include "shardlab/common/model.h"
@@ -119,10 +120,12 @@ class BucketedDDP {
   /// @param optimizer built over parameters(); null to load the model only.
   /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
   ///        leaves `optimizer` as it is (load_training_checkpoint).
+  /// @param names the model's name of each saved tensor, for a file named otherwise (a Hugging Face file's dotted
+  ///        names; checkpoint.h's SavedNames); empty: the saved names. A tied weight loads under any of its names.
   /// @return the saved metadata.
   /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false);
+                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
 
   /// The trainable parameters, in registration order (bucket indices refer to these).
   const std::vector<at::Tensor>& parameters() const { return params_; }

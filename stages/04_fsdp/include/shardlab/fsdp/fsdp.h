@@ -266,10 +266,12 @@ class FullyShardedModel {
   /// @param optimizer built over parameters(); null to load the model only.
   /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
   ///        leaves `optimizer` as it is (load_training_checkpoint).
+  /// @param names the model's name of each saved tensor, for a file named otherwise (a Hugging Face file's dotted
+  ///        names; checkpoint.h's SavedNames); empty: the saved names. A tied weight loads under any of its names.
   /// @return the saved metadata.
   /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false);
+                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
 
   /// The units: the model's units in registration order, then the root (when it has parameters).
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }

@@ -1,0 +1,169 @@
+// `shardlab bench --section real`: the tiny GPT at real sizes (25M parameters on 2 ranks, 151M on 4), where FSDP
+// exists for its memory: FSDP with prefetch, bucketed DDP and PyTorch FSDP2 built on the meta device (as its users
+// build a large model), side by side: the step, each rank's resident memory at construction, over the run and over
+// the steady steps, and where the step's time goes. Figures, not assertions.
+#include "bench.h"
+
+#include "run.h"
+#include "strategies.h"
+
+#include "shardlab/common/reference.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <iomanip>
+#include <memory>
+#include <sstream>
+
+namespace shardlab::cli {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// The most of a per-rank figure (bytes), in MiB; NAN when no rank reported it.
+double most_mib(const std::vector<double>& per_rank) {
+  if (per_rank.empty()) return NAN;
+  return *std::max_element(per_rank.begin(), per_rank.end()) / kMiB;
+}
+
+std::string mib(double v) {
+  if (std::isnan(v)) return "-";
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(0) << v;
+  return s.str();
+}
+
+std::string fixed(double v, int digits) {
+  if (std::isnan(v)) return "-";
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(digits) << v;
+  return s.str();
+}
+
+struct Size {
+  std::string label;
+  int64_t dim, layers;
+  int world, global_batch;
+};
+
+}  // namespace
+
+FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& self_exe) {
+  const std::vector<Size> sizes{{"25M", 512, 8, 2, 8}, {"151M", 1024, 12, 4, 4}};
+  std::ostringstream md, targets;
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  std::string peer_why = b.torch ? fsdp2_root_problem(b.torch_root) : "skipped (--no-torch)";
+  std::unique_ptr<ProcMount> proc;
+  if (peer_why.empty()) proc = std::make_unique<ProcMount>(b.torch_root);
+  md << "| model | world | row | step ms | exposed comm ms | construction MiB | run peak MiB | steady peak MiB | "
+        "base MiB | how it builds |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const Size& size : sizes) {
+    RunOptions o = b.run;
+    o.train.model = "tiny_gpt";
+    o.train.dim = size.dim;
+    o.train.layers = size.layers;
+    o.world_size = size.world;
+    o.train.global_batch = size.global_batch;
+    o.train.steps = std::min(o.train.steps, 4);
+    int64_t params = 0;
+    for (const auto& p : trainable_parameters(*make_model(o.train, at::kCPU))) params += p.numel();
+    struct Row {
+      std::string label, strategy;
+      RunReport report;
+      bool ran = false;
+    };
+    std::vector<Row> rows{{"fsdp_prefetch depth 1", "fsdp_prefetch", {}}, {"bucketed_ddp", "bucketed_ddp", {}}};
+    Fsdp2Result peer;
+    for (int round = 0; round < b.repeat; ++round) {  // interleaved rounds; each figure the best median
+      for (Row& row : rows) {
+        std::fprintf(stderr, "real %s: %s round %d/%d\n", size.label.c_str(), row.label.c_str(), round + 1, b.repeat);
+        RunOptions each = o;
+        each.strategy = row.strategy;
+        if (row.strategy == "fsdp_prefetch")
+          each.strategy_options.prefetch_depth = each.strategy_options.prefetch_limit = 1;
+        RunReport r = run_strategy(each, self_exe);
+        if (!row.ran || r.step_time_ms < row.report.step_time_ms) row.report = r;
+        row.ran = true;
+      }
+      if (peer_why.empty()) {
+        std::fprintf(stderr, "real %s: pytorch_fsdp2 (meta) round %d/%d\n", size.label.c_str(), round + 1, b.repeat);
+        Fsdp2Result p = run_fsdp2(b, o, true, "", /*meta=*/true);
+        if (!p.ok)
+          peer_why = p.why;
+        else if (!peer.ok || p.step_ms < peer.step_ms)
+          peer = p;
+      }
+    }
+    const double model_mib = static_cast<double>(params) * 4.0 / kMiB;
+    nlohmann::ordered_json section{{"model", size.label},
+                                   {"dim", size.dim},
+                                   {"layers", size.layers},
+                                   {"parameters", params},
+                                   {"world_size", size.world},
+                                   {"global_batch", size.global_batch},
+                                   {"rows", nlohmann::ordered_json::array()}};
+    for (const Row& row : rows) {
+      const RunReport& r = row.report;
+      md << "| " << size.label << " | " << size.world << " | " << row.label << " | " << fixed(r.step_time_ms, 0)
+         << " | " << fixed(r.exposed_comm_ms_per_step, 0) << " of " << fixed(r.comm_busy_ms_per_step, 0) << " | "
+         << mib(most_mib(r.construction_rss_bytes)) << " | " << mib(most_mib(r.run_peak_rss_bytes)) << " | "
+         << mib(most_mib(r.peak_rss_bytes)) << " | " << mib(most_mib(r.base_rss_bytes)) << " | "
+         << (r.construction.empty() ? "-" : r.construction) << " |\n";
+      section["rows"].push_back({{"row", row.label},
+                                 {"strategy", row.strategy},
+                                 {"step_ms", r.step_time_ms},
+                                 {"comm_busy_ms_per_step", r.comm_busy_ms_per_step},
+                                 {"exposed_comm_ms_per_step", r.exposed_comm_ms_per_step},
+                                 {"construction_rss_bytes", r.construction_rss_bytes},
+                                 {"run_peak_rss_bytes", r.run_peak_rss_bytes},
+                                 {"peak_rss_bytes", r.peak_rss_bytes},
+                                 {"base_rss_bytes", r.base_rss_bytes},
+                                 {"construction", r.construction}});
+    }
+    if (peer.ok) {
+      md << "| " << size.label << " | " << size.world << " | PyTorch FSDP2 " << peer.version << " (meta device) | "
+         << fixed(peer.step_ms, 0) << " | - | " << mib(peer.construction_mib) << " | " << mib(peer.run_peak_mib)
+         << " | " << mib(peer.peak_mib) << " | " << mib(peer.base_mib) << " | meta, to_empty, init |\n";
+      section["rows"].push_back({{"row", "pytorch_fsdp2_meta"},
+                                 {"torch_version", peer.version},
+                                 {"param_count", peer.param_count},
+                                 {"step_ms", peer.step_ms},
+                                 {"construction_rss_mib", peer.construction_mib},
+                                 {"run_peak_rss_mib", peer.run_peak_mib},
+                                 {"peak_rss_mib", peer.peak_mib},
+                                 {"base_rss_mib", peer.base_mib}});
+      if (static_cast<int64_t>(peer.param_count) != params)
+        targets << "- " << size.label << ": PyTorch's model has " << static_cast<int64_t>(peer.param_count)
+                << " parameters, shardlab's " << params << ": not the same shape\n";
+    }
+    const RunReport& f = rows[0].report;
+    const RunReport& d = rows[1].report;
+    targets << "- " << size.label << " (" << params << " parameters, " << mib(model_mib) << " MiB in fp32), "
+            << size.world << " ranks: fsdp_prefetch's step " << fixed(f.step_time_ms / d.step_time_ms, 2)
+            << "x bucketed DDP's";
+    if (peer.ok) targets << ", " << fixed(f.step_time_ms / peer.step_ms, 2) << "x PyTorch FSDP2's";
+    targets << "; its run peak " << mib(most_mib(f.run_peak_rss_bytes)) << " MiB per rank against DDP's "
+            << mib(most_mib(d.run_peak_rss_bytes)) << " ("
+            << fixed(most_mib(f.run_peak_rss_bytes) / most_mib(d.run_peak_rss_bytes), 2) << "x)"
+            << (peer.ok ? " and FSDP2's " + mib(peer.run_peak_mib) : "") << "; run peak / steady peak "
+            << fixed(most_mib(f.run_peak_rss_bytes) / most_mib(f.peak_rss_bytes), 2) << "\n";
+    out.push_back(section);
+  }
+  proc.reset();
+  if (!peer_why.empty()) targets << "- PyTorch FSDP2: " << peer_why << "\n";
+  FsdpBenchResult result;
+  result.heading = "the tiny GPT at 25M parameters on 2 ranks and 151M on 4, " +
+                   std::to_string(b.run.threads > 0 ? b.run.threads : 1) + " thread(s) per rank, " +
+                   std::to_string(b.repeat) +
+                   " interleaved round(s), each figure the best median; memory: each rank's VmHWM, the most over "
+                   "the ranks";
+  result.markdown = md.str();
+  result.targets = targets.str();
+  result.json = out.dump();
+  return result;
+}
+
+}  // namespace shardlab::cli
