@@ -121,6 +121,7 @@ int64_t local_rows(const StateTensor& t) { return t.full_sizes.empty() ? 1 : t.l
 
 // Whether two contiguous CPU tensors of one dtype and size hold the same bytes (NaNs by their bits).
 bool equal_bytes(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0) return true;  // no rows here (data_ptr may be null)
   return std::memcmp(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0;
 }
 
@@ -550,16 +551,45 @@ c10::Device collective_device(const Communicator& comm, const ShardedState& stat
   return c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
 }
 
-void write_full_file(const std::string& file, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                     std::map<std::string, std::string> metadata) {
-  check_format_key(metadata);
-  metadata[kFormatKey] = kFormatPt;
-  for (const auto& [name, t] : tensors) {
-    const at::Tensor c = cpu_contiguous(t);
-    metadata[kCrcKey + name] = std::to_string(safetensors::crc32(c.data_ptr(), c.numel() * c.element_size()));
-  }
-  const std::string partial = file + kStagingSuffix;
-  safetensors::write_file(partial, tensors, metadata);
+// Note [Full files written one tensor at a time]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A full file holds the whole model, which may not fit in one process (the reason FSDP exists). So neither
+// save_full_checkpoint nor export_checkpoint holds it: a safetensors::Writer writes the header first, then one
+// tensor at a time in the file's order (the safetensors library's: by dtype, then name), each gathered from the
+// ranks (save) or read from the pieces (export) just before, and dropped after. The header needs every tensor's
+// CRC-32 (the file's metadata keeps them) before any byte of data: it is combined from the pieces' CRC-32s
+// (crc32_combine), which each rank computes over its own rows (save) or the index records (export), so no tensor
+// is read twice. What is written is checked against that CRC-32 as it goes. The file is the one write_file would
+// write for the same tensors, byte for byte.
+
+// The metadata of a full file: `user`'s, "format": "pt", and every tensor's CRC-32.
+std::map<std::string, std::string> full_file_metadata(std::map<std::string, std::string> user,
+                                                      const std::vector<safetensors::TensorSpec>& specs,
+                                                      const std::vector<uint32_t>& crcs) {
+  check_format_key(user);
+  user[kFormatKey] = kFormatPt;
+  for (size_t i = 0; i < specs.size(); ++i) user[kCrcKey + specs[i].name] = std::to_string(crcs[i]);
+  return user;
+}
+
+// A tensor's CRC-32 from its pieces' (in row order), each `rows` rows of `row_bytes` bytes.
+uint32_t combined_crc(const std::vector<std::pair<uint32_t, int64_t>>& pieces, uint64_t row_bytes) {
+  uint32_t crc = 0;
+  for (const auto& [piece_crc, rows] : pieces)
+    crc = safetensors::crc32_combine(crc, piece_crc, static_cast<uint64_t>(rows) * row_bytes);
+  return crc;
+}
+
+// Writes the next tensor of `writer`, checked against the CRC-32 the header recorded.
+void write_checked(safetensors::Writer& writer, const at::Tensor& t, const std::string& name, uint32_t expected) {
+  const uint32_t crc = writer.write(t);
+  if (crc != expected)
+    throw std::runtime_error("'" + name + "' changed while it was written: its bytes' CRC-32 is " +
+                             std::to_string(crc) + ", its pieces' gave " + std::to_string(expected));
+}
+
+// Renames a finished staging file onto `file` and flushes the directory.
+void put_in_place(const std::string& partial, const std::string& file) {
   if (::rename(partial.c_str(), file.c_str()) != 0)
     throw std::runtime_error("cannot rename '" + partial + "' to '" + file + "': " + std::strerror(errno));
   fsync_path(parent_of(file), true);
@@ -692,20 +722,42 @@ void load_checkpoint(const std::string& path, ShardedState& state, Communicator&
 
 void save_full_checkpoint(const std::string& file, const ShardedState& state, Communicator& comm) {
   const std::string what = "save_full_checkpoint('" + file + "')";
-  agree(comm, attempt([&] { check_state(state); }), what);
+  // Each rank's rows of every tensor it saves, and their CRC-32 (Note [Full files written one tensor at a time]).
+  std::vector<uint32_t> my_crcs;
+  agree(comm, attempt([&] {
+          check_state(state);
+          for (const StateTensor& t : state.tensors) {
+            if (!t.saves || local_rows(t) == 0) continue;
+            const at::Tensor c = cpu_contiguous(t.local);
+            my_crcs.push_back(safetensors::crc32(c.data_ptr(), c.numel() * c.element_size()));
+          }
+        }),
+        what);
   // Which rows each rank saves, on every rank: the layout of each tensor's gather.
-  const std::vector<std::string> all =
-      all_gather_text(comm, describe(state, "", 0, std::vector<uint32_t>(state.tensors.size())).dump());
+  const std::vector<std::string> all = all_gather_text(comm, describe(state, "", 0, my_crcs).dump());
   std::vector<nlohmann::json> ranks;
   ranks.reserve(all.size());
   for (const std::string& text : all) ranks.push_back(nlohmann::json::parse(text));
-  Outcome layout = attempt([&] { build_index(ranks, {}); });
-  agree(comm, layout, what);
+  nlohmann::json index;
+  agree(comm, attempt([&] { index = build_index(ranks, {}); }), what);
 
-  const c10::Device device = collective_device(comm, state);
-  std::vector<std::pair<std::string, at::Tensor>> full;
+  std::vector<safetensors::TensorSpec> specs;
+  std::vector<uint32_t> crcs;
+  for (const StateTensor& t : state.tensors) {
+    specs.push_back({t.name, t.local.scalar_type(), t.full_sizes});
+    std::vector<std::pair<uint32_t, int64_t>> pieces;
+    for (const auto& p : index["tensors"][t.name]["pieces"]) pieces.emplace_back(p["crc32"], p["rows"][1]);
+    crcs.push_back(combined_crc(pieces, row_numel(t.full_sizes) * t.local.element_size()));
+  }
+  const std::string partial = file + kStagingSuffix;
+  std::unique_ptr<safetensors::Writer> writer;
   Outcome assembled;  // rank 0's first failure: it keeps issuing every gather, and the last agreement reports it
-  for (size_t i = 0; i < state.tensors.size(); ++i) {
+  if (comm.rank() == 0)
+    assembled = attempt([&] {
+      writer = std::make_unique<safetensors::Writer>(partial, specs, full_file_metadata(state.metadata, specs, crcs));
+    });
+  const c10::Device device = collective_device(comm, state);
+  for (const size_t i : safetensors::layout_order(specs)) {  // the file's order, on every rank
     const StateTensor& t = state.tensors[i];
     std::vector<int64_t> first(comm.size(), 0);
     std::vector<int64_t> rows(comm.size(), 0);
@@ -720,12 +772,14 @@ void save_full_checkpoint(const std::string& file, const ShardedState& state, Co
     const int64_t most = *std::max_element(rows.begin(), rows.end());
     const int64_t per_row = row_numel(t.full_sizes);
     const auto cpu = at::TensorOptions().dtype(t.local.scalar_type());
+    const auto write = [&](const at::Tensor& whole) {
+      if (comm.rank() == 0 && !assembled.kind)
+        assembled = attempt([&] { write_checked(*writer, whole, t.name, crcs[i]); });
+    };
     // The same decision on every rank (from what every rank gathered): when rank 0 holds it all, or it has no
     // element, no collective.
     if ((savers == 1 && rows[0] > 0) || most * per_row == 0) {
-      if (comm.rank() == 0 && !assembled.kind)
-        assembled = attempt(
-            [&] { full.emplace_back(t.name, rows[0] > 0 ? cpu_contiguous(t.local) : at::empty(t.full_sizes, cpu)); });
+      if (comm.rank() == 0) write(rows[0] > 0 ? t.local : at::empty(t.full_sizes, cpu));
       continue;
     }
     // Gathered as bytes, whatever the dtype: Gloo carries neither bool nor int16 (nor, in 1.13, bfloat16), and
@@ -738,40 +792,74 @@ void save_full_checkpoint(const std::string& file, const ShardedState& state, Co
       mine.narrow(0, 0, my_rows * per_row * elem).copy_(t.local.contiguous().reshape({-1}).view(at::kByte));
     at::Tensor gathered = at::empty({comm.size() * most * per_row * elem}, options);
     comm.all_gather(gathered, mine).wait();
+    mine.reset();
     if (comm.rank() != 0 || assembled.kind) continue;
+    at::Tensor whole;
     assembled = attempt([&] {
       const at::Tensor blocks = gathered.cpu().view(t.local.scalar_type());
-      at::Tensor whole = at::empty(t.full_sizes, cpu);
+      gathered.reset();
+      whole = at::empty(t.full_sizes, cpu);
       at::Tensor flat = whole.view({-1});
       for (int r = 0; r < comm.size(); ++r)
         if (rows[r] > 0)
           flat.narrow(0, first[r] * per_row, rows[r] * per_row)
               .copy_(blocks.narrow(0, r * most * per_row, rows[r] * per_row));
-      full.emplace_back(t.name, whole);
     });
+    if (!assembled.kind) write(whole);
   }
   Outcome wrote = assembled;
-  if (comm.rank() == 0 && !wrote.kind) wrote = attempt([&] { write_full_file(file, full, state.metadata); });
+  if (comm.rank() == 0 && !wrote.kind)
+    wrote = attempt([&] {
+      writer->finish();
+      writer.reset();
+      put_in_place(partial, file);
+    });
+  if (comm.rank() == 0 && wrote.kind) {
+    writer.reset();
+    std::error_code ec;
+    fs::remove(partial, ec);  // a failed save leaves nothing of its own behind
+  }
   agree(comm, wrote, what);
 }
 
 void export_checkpoint(const std::string& dir, const std::string& file, bool optimizer_state) {
   const CheckpointIndex index = read_checkpoint_index(dir);
   check_files(index);
+  // Every piece of the checkpoint checked first (also what is not exported), one piece read at a time; then each
+  // exported tensor read and written, one at a time (Note [Full files written one tensor at a time]).
   Pieces pieces;
-  std::vector<std::pair<std::string, at::Tensor>> full;
+  std::vector<safetensors::TensorSpec> specs;
+  std::vector<uint32_t> crcs;
   for (const auto& [name, saved] : index.tensors) {
-    for (const SavedPiece& piece : saved.pieces)  // all of the checkpoint, also what is not exported
+    for (const SavedPiece& piece : saved.pieces)
       if (piece.has_crc) pieces.check_crc(name, saved, piece);
     if (!optimizer_state && name.rfind("optim.", 0) == 0) continue;
-    at::Tensor whole = at::empty(saved.sizes, at::TensorOptions().dtype(saved.dtype));
-    pieces.read_rows(name, saved, 0, whole);
-    full.emplace_back(name, whole);
+    specs.push_back({name, saved.dtype, saved.sizes});
+    const uint64_t row_bytes = static_cast<uint64_t>(row_numel(saved.sizes)) * c10::elementSize(saved.dtype);
+    std::vector<std::pair<uint32_t, int64_t>> parts;
+    for (const SavedPiece& piece : saved.pieces)  // a file shardlab did not write has none: read it for one
+      parts.emplace_back(piece.has_crc ? piece.crc32 : pieces.reader(piece.file).crc32(name), piece.rows);
+    crcs.push_back(combined_crc(parts, row_bytes));
   }
   std::map<std::string, std::string> metadata;
   for (const auto& [key, value] : index.metadata)
     if (optimizer_state || key.rfind("optim.", 0) != 0) metadata.emplace(key, value);
-  write_full_file(file, full, metadata);
+  const std::string partial = file + kStagingSuffix;
+  try {
+    safetensors::Writer writer(partial, specs, full_file_metadata(metadata, specs, crcs));
+    for (const size_t i : writer.order()) {
+      const SavedTensor& saved = index.tensors.at(specs[i].name);
+      at::Tensor whole = at::empty(saved.sizes, at::TensorOptions().dtype(saved.dtype));
+      pieces.read_rows(specs[i].name, saved, 0, whole);
+      write_checked(writer, whole, specs[i].name, crcs[i]);
+    }
+    writer.finish();
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(partial, ec);
+    throw;
+  }
+  put_in_place(partial, file);
 }
 
 }  // namespace shardlab

@@ -15,6 +15,7 @@
 #include <set>
 #include <stdexcept>
 #include <tuple>
+#include <utility>
 
 namespace shardlab::safetensors {
 
@@ -76,18 +77,6 @@ int layout_rank(c10::ScalarType t) {
     default:
       return -1;  // not written (dtype_name refuses it first)
   }
-}
-
-// The order the safetensors library lays tensors out in: by dtype, highest alignment first, then by name. Every
-// tensor's data then starts aligned to its element size, since the header pads the data's start to 8 bytes.
-std::vector<size_t> layout_order(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  std::vector<size_t> order(tensors.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    const int ra = layout_rank(tensors[a].second.scalar_type()), rb = layout_rank(tensors[b].second.scalar_type());
-    return ra != rb ? ra > rb : tensors[a].first < tensors[b].first;
-  });
-  return order;
 }
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
@@ -235,50 +224,112 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t crc) {
   return static_cast<uint32_t>(c);
 }
 
-std::vector<uint32_t> write_file(const std::string& path,
-                                 const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                 const std::map<std::string, std::string>& metadata) {
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b) {
+  return static_cast<uint32_t>(::crc32_combine(crc_a, crc_b, static_cast<z_off_t>(bytes_b)));
+}
+
+std::vector<size_t> layout_order(const std::vector<TensorSpec>& specs) {
+  std::vector<size_t> order(specs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const int ra = layout_rank(specs[a].dtype), rb = layout_rank(specs[b].dtype);
+    return ra != rb ? ra > rb : specs[a].name < specs[b].name;
+  });
+  return order;
+}
+
+Writer::Writer(const std::string& path, std::vector<TensorSpec> specs,
+               const std::map<std::string, std::string>& metadata)
+    : path_(path), specs_(std::move(specs)) {
   std::set<std::string> seen;
-  for (const auto& [name, t] : tensors) {
-    if (name.empty() || name == "__metadata__" || !seen.insert(name).second)
-      throw std::invalid_argument("safetensors::write_file('" + path + "'): tensor name '" + name +
+  for (const TensorSpec& t : specs_) {
+    if (t.name.empty() || t.name == "__metadata__" || !seen.insert(t.name).second)
+      throw std::invalid_argument("safetensors::Writer('" + path + "'): tensor name '" + t.name +
                                   "' is empty, reserved or repeated");
-    if (!t.defined())
-      throw std::invalid_argument("safetensors::write_file('" + path + "'): '" + name + "' is undefined");
-    dtype_name(t.scalar_type());  // throws for a dtype the format cannot hold
+    dtype_name(t.dtype);  // throws for a dtype the format cannot hold
+    for (const int64_t size : t.shape)
+      if (size < 0)
+        throw std::invalid_argument("safetensors::Writer('" + path + "'): '" + t.name + "' has a negative size");
   }
-  const std::vector<size_t> order = layout_order(tensors);
+  order_ = layout_order(specs_);
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t at = 0;
-  for (const size_t i : order) {
-    const auto& [name, t] = tensors[i];
-    const uint64_t bytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-    header[name] = {
-        {"dtype", dtype_name(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {at, at + bytes}}};
+  for (const size_t i : order_) {
+    const TensorSpec& t = specs_[i];
+    int64_t numel = 1;
+    for (const int64_t size : t.shape) numel *= size;
+    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(t.dtype);
+    header[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + bytes}}};
     at += bytes;
   }
   std::string text = header.dump();
-  text.append((8 - (8 + text.size()) % 8) % 8, ' ');
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path, std::string("cannot create: ") + std::strerror(errno));
-  std::vector<uint32_t> crcs(tensors.size());
+  text.append((8 - text.size() % 8) % 8, ' ');
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(path, std::string("cannot create: ") + std::strerror(errno));
   try {
     const uint64_t n = text.size();
-    write_all(fd, &n, 8, path);
-    write_all(fd, text.data(), text.size(), path);
-    for (const size_t i : order) {
-      const at::Tensor c = cpu_contiguous(tensors[i].second);
-      const size_t bytes = static_cast<size_t>(c.numel()) * c.element_size();
-      crcs[i] = crc32(c.data_ptr(), bytes);
-      write_all(fd, c.data_ptr(), bytes, path);
-    }
-    if (::fsync(fd) != 0) fail(path, std::string("fsync failed: ") + std::strerror(errno));
+    write_all(fd_, &n, 8, path);
+    write_all(fd_, text.data(), text.size(), path);
   } catch (...) {
-    ::close(fd);
+    ::close(fd_);
+    fd_ = -1;
     throw;
   }
-  if (::close(fd) != 0) fail(path, std::string("close failed: ") + std::strerror(errno));
+}
+
+Writer::~Writer() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+size_t Writer::next() const {
+  if (written_ == order_.size())
+    throw std::logic_error("safetensors::Writer('" + path_ + "'): every tensor was written already");
+  return order_[written_];
+}
+
+uint32_t Writer::write(const at::Tensor& tensor) {
+  const TensorSpec& t = specs_[next()];
+  if (fd_ < 0) throw std::logic_error("safetensors::Writer('" + path_ + "'): the file is closed");
+  if (!tensor.defined() || tensor.scalar_type() != t.dtype || tensor.sizes().vec() != t.shape)
+    throw std::invalid_argument("safetensors::Writer('" + path_ + "'): '" + t.name + "' is declared " +
+                                dtype_name(t.dtype) + " " + c10::str(c10::IntArrayRef(t.shape)) + "; got " +
+                                (tensor.defined()
+                                     ? std::string(c10::toString(tensor.scalar_type())) + " " + c10::str(tensor.sizes())
+                                     : "an undefined tensor"));
+  const at::Tensor c = cpu_contiguous(tensor);
+  const size_t bytes = static_cast<size_t>(c.numel()) * c.element_size();
+  write_all(fd_, c.data_ptr(), bytes, path_);
+  ++written_;
+  return crc32(c.data_ptr(), bytes);
+}
+
+void Writer::finish() {
+  if (written_ != order_.size())
+    throw std::logic_error("safetensors::Writer('" + path_ + "'): finished after " + std::to_string(written_) + " of " +
+                           std::to_string(order_.size()) + " tensors");
+  if (fd_ < 0) throw std::logic_error("safetensors::Writer('" + path_ + "'): finished twice");
+  const int fd = std::exchange(fd_, -1);
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail(path_, std::string("fsync failed: ") + std::strerror(errno));
+  }
+  if (::close(fd) != 0) fail(path_, std::string("close failed: ") + std::strerror(errno));
+}
+
+std::vector<uint32_t> write_file(const std::string& path,
+                                 const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                 const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined())
+      throw std::invalid_argument("safetensors::write_file('" + path + "'): '" + name + "' is undefined");
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  Writer writer(path, std::move(specs), metadata);
+  std::vector<uint32_t> crcs(tensors.size());
+  for (const size_t i : writer.order()) crcs[i] = writer.write(tensors[i].second);
+  writer.finish();
   return crcs;
 }
 

@@ -292,7 +292,12 @@ std::map<std::string, std::string> load_training_checkpoint(const std::string& p
     load = std::make_unique<OptimizerLoad>(*optimizer, optimizer_if_saved);
     prepare = [&](const CheckpointIndex& index, ShardedState& state) { load->prepare(index, state); };
   }
-  load_checkpoint(path, model_state, comm, optimizer ? "" : "optim.", prepare, names);
+  // The optimizer's state keeps its names (a file from shardlab: "optim.<the model's name>.<field>"); the user's
+  // names map the model's tensors.
+  SavedNames model_names;
+  if (names)
+    model_names = [&names](const std::string& saved) { return saved.rfind("optim.", 0) == 0 ? saved : names(saved); };
+  load_checkpoint(path, model_state, comm, optimizer ? "" : "optim.", prepare, model_names);
   if (load) load->install();
   return model_state.metadata;
 }

@@ -241,7 +241,7 @@ with tempfile.TemporaryDirectory() as tmp:
             theirs = gpt(7)
             torch_file = os.path.join(tmp, "torch.safetensors")
             state = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
-            check("lm_head.weight" in state and "wte.weight" in state, f"a state_dict names the tie twice: {sorted(state)}")
+            check("lm_head.weight" in state and "wte.weight" in state, "a state_dict names the tie twice")
             write_safetensors(torch_file, state)
             started = train(tmp, "from_torch", "--strategy", "single", "--world-size", "1", "--steps", "1", *common,
                             "--resume", torch_file)
@@ -258,8 +258,22 @@ with tempfile.TemporaryDirectory() as tmp:
                       "torch 2.6)")
             else:
                 print(f"PyTorch {torch.__version__} with Hugging Face's safetensors.torch")
+                from safetensors.torch import load_file as torch_load_file, save_file as torch_save_file
                 with safe_open(model_file, framework="pt") as f:
-                    check(f.metadata().get("format") == "pt", f"the export's metadata says format pt: {f.metadata()}")
+                    check(f.metadata().get("format") == "pt",
+                          f"the export's metadata says format pt: {f.metadata().get('format')!r}")
+
+                def layout(path):  # the tensors in the header's order, and the data's bytes
+                    with open(path, "rb") as f:
+                        n = int.from_bytes(f.read(8), "little")
+                        pairs = json.loads(f.read(n), object_pairs_hook=list)
+                        return [k for k, _ in pairs if k != "__metadata__"], f.read()
+
+                again = os.path.join(tmp, "save_file.safetensors")
+                torch_save_file(torch_load_file(model_file), again, metadata={"format": "pt"})
+                ours, theirs_layout = layout(model_file), layout(again)
+                check(ours == theirs_layout, "the export lays its tensors out as safetensors' save_file does (order and "
+                      f"bytes): {ours[0][:4]}... against {theirs_layout[0][:4]}...")
                 model = gpt(9)
                 missing, unexpected = load_model(model, model_file, strict=True)
                 check(not missing and not unexpected and model.lm_head.weight is model.wte.weight,
@@ -276,7 +290,8 @@ with tempfile.TemporaryDirectory() as tmp:
                 with safe_open(hf_file, framework="pt") as f:
                     keys = set(f.keys())
                 check("lm_head.weight" in keys and "wte.weight" not in keys,
-                      f"save_model kept the tie as lm_head.weight only: {sorted(keys)}")
+                      f"save_model kept the tie as lm_head.weight only: {len(keys)} tensors, "
+                      f"lm_head.weight {'lm_head.weight' in keys}, wte.weight {'wte.weight' in keys}")
                 for strategy, world in (("single", "1"), ("fsdp", "2")):
                     started = train(tmp, f"from_save_model_{strategy}", "--strategy", strategy, "--world-size", world,
                                     "--steps", "1", *common, "--resume", hf_file)

@@ -11,7 +11,7 @@ environment), e.g. with the project's launcher. It needs Debian's python3-torch 
     build/default/bin/shardlab-run -n 2 -- /usr/bin/python3 tools/bench/torch_ddp.py --json out.json
 
 Rank 0 writes the results to --json (FILE.tmp, then renamed onto FILE). `--print-params` prints the parameters in
-registration order and exits; it needs no launcher, so it can be compared with the C++ model's named_parameters().
+registration order (a tied weight once, under its first name, as PyTorch lists it) and exits; it needs no launcher, so it can be compared with the C++ model's named_parameters().
 
 What is timed: zero_grad + forward + backward (DDP all-reduces the gradients during it) + optimizer step, with
 time.perf_counter() around each step. The step's batch is drawn just before the timer starts.

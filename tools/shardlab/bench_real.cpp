@@ -55,11 +55,18 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
   const std::vector<Size> sizes{{"25M", 512, 8, 2, 8}, {"151M", 1024, 12, 4, 4}};
   std::ostringstream md, targets;
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
-  std::string peer_why = b.torch ? fsdp2_root_problem(b.torch_root) : "skipped (--no-torch)";
+  const std::string root_why = b.torch ? fsdp2_root_problem(b.torch_root) : "skipped (--no-torch)";
   std::unique_ptr<ProcMount> proc;
-  if (peer_why.empty()) proc = std::make_unique<ProcMount>(b.torch_root);
-  md << "| model | world | row | step ms | exposed comm ms | construction MiB | run peak MiB | steady peak MiB | "
-        "base MiB | how it builds |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  if (root_why.empty()) proc = std::make_unique<ProcMount>(b.torch_root);
+  // Each round's median step, to read the noise: a difference within the spread of one row ranks nothing.
+  const auto spread = [](const std::vector<double>& rounds) {
+    std::string text;
+    for (const double v : rounds) text += (text.empty() ? "" : ", ") + fixed(v, 0);
+    return text;
+  };
+  md << "| model | world | row | step ms | rounds' steps ms | exposed comm ms | construction MiB | run peak MiB | "
+        "steady peak MiB | "
+        "base MiB | how it builds |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Size& size : sizes) {
     RunOptions o = b.run;
     o.train.model = "tiny_gpt";
@@ -74,9 +81,13 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
       std::string label, strategy;
       RunReport report;
       bool ran = false;
+      std::vector<double> rounds;  // each round's median step
     };
-    std::vector<Row> rows{{"fsdp_prefetch depth 1", "fsdp_prefetch", {}}, {"bucketed_ddp", "bucketed_ddp", {}}};
+    std::vector<Row> rows{{"fsdp_prefetch depth 1", "fsdp_prefetch", {}, false, {}},
+                          {"bucketed_ddp", "bucketed_ddp", {}, false, {}}};
     Fsdp2Result peer;
+    std::vector<double> peer_rounds;
+    std::string peer_why = root_why;                  // per size: a failure at one size does not skip the next
     for (int round = 0; round < b.repeat; ++round) {  // interleaved rounds; each figure the best median
       for (Row& row : rows) {
         std::fprintf(stderr, "real %s: %s round %d/%d\n", size.label.c_str(), row.label.c_str(), round + 1, b.repeat);
@@ -85,14 +96,16 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
         if (row.strategy == "fsdp_prefetch")
           each.strategy_options.prefetch_depth = each.strategy_options.prefetch_limit = 1;
         RunReport r = run_strategy(each, self_exe);
+        row.rounds.push_back(r.step_time_ms);
         if (!row.ran || r.step_time_ms < row.report.step_time_ms) row.report = r;
         row.ran = true;
       }
       if (peer_why.empty()) {
         std::fprintf(stderr, "real %s: pytorch_fsdp2 (meta) round %d/%d\n", size.label.c_str(), round + 1, b.repeat);
         Fsdp2Result p = run_fsdp2(b, o, true, "", /*meta=*/true);
+        if (p.ok) peer_rounds.push_back(p.step_ms);
         if (!p.ok)
-          peer_why = p.why;
+          peer_why = p.why;  // no further round; a round that ran stays in the table
         else if (!peer.ok || p.step_ms < peer.step_ms)
           peer = p;
       }
@@ -108,13 +121,14 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
     for (const Row& row : rows) {
       const RunReport& r = row.report;
       md << "| " << size.label << " | " << size.world << " | " << row.label << " | " << fixed(r.step_time_ms, 0)
-         << " | " << fixed(r.exposed_comm_ms_per_step, 0) << " of " << fixed(r.comm_busy_ms_per_step, 0) << " | "
-         << mib(most_mib(r.construction_rss_bytes)) << " | " << mib(most_mib(r.run_peak_rss_bytes)) << " | "
-         << mib(most_mib(r.peak_rss_bytes)) << " | " << mib(most_mib(r.base_rss_bytes)) << " | "
-         << (r.construction.empty() ? "-" : r.construction) << " |\n";
+         << " | " << spread(row.rounds) << " | " << fixed(r.exposed_comm_ms_per_step, 0) << " of "
+         << fixed(r.comm_busy_ms_per_step, 0) << " | " << mib(most_mib(r.construction_rss_bytes)) << " | "
+         << mib(most_mib(r.run_peak_rss_bytes)) << " | " << mib(most_mib(r.peak_rss_bytes)) << " | "
+         << mib(most_mib(r.base_rss_bytes)) << " | " << (r.construction.empty() ? "-" : r.construction) << " |\n";
       section["rows"].push_back({{"row", row.label},
                                  {"strategy", row.strategy},
                                  {"step_ms", r.step_time_ms},
+                                 {"rounds_step_ms", row.rounds},
                                  {"comm_busy_ms_per_step", r.comm_busy_ms_per_step},
                                  {"exposed_comm_ms_per_step", r.exposed_comm_ms_per_step},
                                  {"construction_rss_bytes", r.construction_rss_bytes},
@@ -125,12 +139,14 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
     }
     if (peer.ok) {
       md << "| " << size.label << " | " << size.world << " | PyTorch FSDP2 " << peer.version << " (meta device) | "
-         << fixed(peer.step_ms, 0) << " | - | " << mib(peer.construction_mib) << " | " << mib(peer.run_peak_mib)
-         << " | " << mib(peer.peak_mib) << " | " << mib(peer.base_mib) << " | meta, to_empty, init |\n";
+         << fixed(peer.step_ms, 0) << " | " << spread(peer_rounds) << " | - | " << mib(peer.construction_mib) << " | "
+         << mib(peer.run_peak_mib) << " | " << mib(peer.peak_mib) << " | " << mib(peer.base_mib)
+         << " | meta, to_empty, init |\n";
       section["rows"].push_back({{"row", "pytorch_fsdp2_meta"},
                                  {"torch_version", peer.version},
                                  {"param_count", peer.param_count},
                                  {"step_ms", peer.step_ms},
+                                 {"rounds_step_ms", peer_rounds},
                                  {"construction_rss_mib", peer.construction_mib},
                                  {"run_peak_rss_mib", peer.run_peak_mib},
                                  {"peak_rss_mib", peer.peak_mib},
@@ -150,16 +166,17 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
             << fixed(most_mib(f.run_peak_rss_bytes) / most_mib(d.run_peak_rss_bytes), 2) << "x)"
             << (peer.ok ? " and FSDP2's " + mib(peer.run_peak_mib) : "") << "; run peak / steady peak "
             << fixed(most_mib(f.run_peak_rss_bytes) / most_mib(f.peak_rss_bytes), 2) << "\n";
+    if (!peer_why.empty()) targets << "- " << size.label << ", PyTorch FSDP2: " << peer_why << "\n";
     out.push_back(section);
   }
   proc.reset();
-  if (!peer_why.empty()) targets << "- PyTorch FSDP2: " << peer_why << "\n";
   FsdpBenchResult result;
   result.heading = "the tiny GPT at 25M parameters on 2 ranks and 151M on 4, " +
                    std::to_string(b.run.threads > 0 ? b.run.threads : 1) + " thread(s) per rank, " +
                    std::to_string(b.repeat) +
-                   " interleaved round(s), each figure the best median; memory: each rank's VmHWM, the most over "
-                   "the ranks";
+                   " interleaved round(s): each row's run with the best median step, its memory that run's (each "
+                   "rank's VmHWM, the most over the ranks); the sizes, world sizes and batches are the section's own, "
+                   "and at most 4 steps are run";
   result.markdown = md.str();
   result.targets = targets.str();
   result.json = out.dump();

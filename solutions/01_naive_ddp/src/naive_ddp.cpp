@@ -60,8 +60,9 @@ void broadcast_state(Model& module, Communicator& comm, StructureCheck check) {
   // BEGIN SOLUTION(01): broadcast every parameter and buffer from rank 0
   // Launch every broadcast, then wait for all of them (they overlap), all of them even after a failure.
   std::vector<Handle> handles;
-  for (const auto& p : module.parameters(/*recurse=*/true)) handles.push_back(comm.broadcast(p.detach(), 0));
-  for (const auto& b : module.buffers(/*recurse=*/true)) handles.push_back(comm.broadcast(b.detach(), 0));
+  // A tensor registered under two names (a tied weight) once: two broadcasts into one tensor would race.
+  for (const auto& [name, t] : named_state(module, StateParts::kParametersAndBuffers, /*once=*/true))
+    handles.push_back(comm.broadcast(t.detach(), 0));
   if (std::exception_ptr error = wait_all(handles)) std::rethrow_exception(error);
   // END SOLUTION
 }

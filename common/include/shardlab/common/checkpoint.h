@@ -139,13 +139,16 @@ void load_checkpoint(const std::string& path, ShardedState& state, Communicator&
 
 /// Saves `state` as a full checkpoint: one safetensors file at `file`, every tensor whole, written by rank 0 (the
 /// other ranks send it their rows) through a temporary file and a rename. The metadata and every tensor's CRC-32
-/// go into the file's "__metadata__". A collective over `comm`.
+/// go into the file's "__metadata__". One tensor at a time: no rank holds more than about one tensor (Note [Full
+/// files written one tensor at a time]), so a model larger than one rank can be saved whole. A collective over
+/// `comm`.
 /// @throws as save_checkpoint.
 void save_full_checkpoint(const std::string& file, const ShardedState& state, Communicator& comm);
 
 /// Writes the sharded checkpoint in `dir` as one full checkpoint `file`, in one process, through a temporary file
-/// and a rename; every piece of the checkpoint is checked against its CRC-32 first (also those not exported), so a
-/// successful export says the whole checkpoint is sound. No collective.
+/// and a rename, one tensor at a time (it holds about one tensor, never the model); every piece of the checkpoint
+/// is checked against its CRC-32 first (also those not exported), so a successful export says the whole
+/// checkpoint is sound. No collective.
 /// @param dir the sharded checkpoint (or a full one).
 /// @param file the safetensors file to write.
 /// @param optimizer_state false: the model's tensors only (what a single-device program or Hugging Face's tools

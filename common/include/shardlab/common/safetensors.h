@@ -47,6 +47,57 @@ c10::ScalarType dtype_of(const std::string& name);
 /// CRC-32 (zlib's, as Python's `zlib.crc32`) of `bytes` bytes at `data`, continuing from `crc` (0 to start).
 uint32_t crc32(const void* data, size_t bytes, uint32_t crc = 0);
 
+/// The CRC-32 of the bytes of A followed by the bytes of B, from `crc_a`, `crc_b` and B's length (zlib's
+/// crc32_combine): a whole tensor's CRC-32 from its pieces', without their bytes.
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b);
+
+/// One tensor of a file to write, as its header will describe it.
+struct TensorSpec {
+  std::string name;                                ///< its name in the file
+  c10::ScalarType dtype = c10::ScalarType::Float;  ///< its element type
+  std::vector<int64_t> shape;                      ///< its sizes; empty for a 0-dim tensor
+};
+
+/// The order the safetensors library lays `specs` out in, as indices into `specs`: by dtype, highest alignment
+/// first (I64, F64, F32, I32, BF16, F16, I16, I8, U8, BOOL: the library's Dtype order, reversed), then by name.
+std::vector<size_t> layout_order(const std::vector<TensorSpec>& specs);
+
+/// A safetensors file written one tensor at a time, so that a writer holds one tensor, never the file's content
+/// (a full checkpoint gathered tensor by tensor, an export read piece by piece). The header, with every tensor's
+/// place, is written first; then each tensor, in order(). Write to a staging path and rename it once finish()
+/// returned: a writer destroyed before leaves a partial file. Not copyable.
+class Writer {
+ public:
+  /// Creates `path` (replacing a file there) and writes the header for `specs` and `metadata`, laid out as
+  /// write_file lays them out.
+  /// @throws std::invalid_argument for an empty, reserved or repeated name, a dtype the format cannot hold or a
+  ///         negative size, before the file is created; std::runtime_error naming the file when it cannot be
+  ///         created or written.
+  Writer(const std::string& path, std::vector<TensorSpec> specs, const std::map<std::string, std::string>& metadata);
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+  /// The order the tensors are written in (indices into the specs given).
+  const std::vector<size_t>& order() const { return order_; }
+  /// The index (into the specs given) of the tensor the next write() takes.
+  /// @throws std::logic_error when every tensor was written.
+  size_t next() const;
+  /// Writes `tensor` (any device, any strides) as the next tensor of order(); returns the CRC-32 of its bytes.
+  /// @throws std::invalid_argument when its dtype or sizes are not the spec's; std::runtime_error naming the file
+  ///         when the write fails; std::logic_error when every tensor was written.
+  uint32_t write(const at::Tensor& tensor);
+  /// Flushes the file to the disk (fsync) and closes it.
+  /// @throws std::logic_error when a tensor was not written; std::runtime_error naming the file on a failure.
+  void finish();
+
+ private:
+  std::string path_;
+  std::vector<TensorSpec> specs_;
+  std::vector<size_t> order_;
+  size_t written_ = 0;
+  int fd_ = -1;
+};
+
 /// Writes `tensors` (name, tensor; any device, any strides: each is copied to contiguous CPU memory as needed)
 /// and `metadata` to `path`, laid out as the safetensors library lays a file out (by dtype, highest alignment
 /// first, then by name; each tensor's data aligned to its element size), then flushes the file to the disk (fsync).

@@ -55,8 +55,9 @@ void save_training_checkpoint(const std::string& dir, ShardedState model_state, 
 /// @throws std::invalid_argument on every rank when the checkpoint holds another model, another optimizer kind,
 ///         Adam's state without amsgrad's for an amsgrad optimizer, or no optimizer state (see
 ///         `optimizer_if_saved`); as load_checkpoint otherwise.
-/// @param names the model's name of each saved tensor (checkpoint.h's SavedNames); empty: the saved names. The
-///        optimizer's state is looked for under the model's names.
+/// @param names the model's name of each saved model tensor (checkpoint.h's SavedNames); empty: the saved names.
+///        It is not asked about the optimizer's state ("optim.*"), which keeps shardlab's names: "optim.<the
+///        model's name>.<field>".
 std::map<std::string, std::string> load_training_checkpoint(const std::string& path, ShardedState model_state,
                                                             torch::optim::Optimizer* optimizer, Communicator& comm,
                                                             bool optimizer_if_saved = false,
