@@ -186,14 +186,14 @@ int main(int argc, char** argv) {
                 << "', which no option takes (the options of shardlab train --help, in its table: train.steps = 3, "
                    "as --write-config writes them)\n";
     else
-      std::cerr << "shardlab: " << what << "\n";
+      std::cerr << ("shardlab: " + what + "\n");
     if (e.get_name() == "RequiredError" && app.get_subcommands().empty()) std::cerr << app.help();
     return 2;
   } catch (const std::invalid_argument& e) {
-    std::cerr << "shardlab: " << e.what() << "\n";
+    std::cerr << ("shardlab: " + std::string(e.what()) + "\n");  // one write: a rank killed mid-line says all or nothing
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "shardlab: " << e.what() << "\n";
+    std::cerr << ("shardlab: " + std::string(e.what()) + "\n");
     return 1;
   }
 }
