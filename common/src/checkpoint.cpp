@@ -558,9 +558,11 @@ c10::Device collective_device(const Communicator& comm, const ShardedState& stat
 // tensor at a time in the file's order (the safetensors library's: by dtype, then name), each gathered from the
 // ranks (save) or read from the pieces (export) just before, and dropped after. The header needs every tensor's
 // CRC-32 (the file's metadata keeps them) before any byte of data: it is combined from the pieces' CRC-32s
-// (crc32_combine), which each rank computes over its own rows (save) or the index records (export), so no tensor
-// is read twice. What is written is checked against that CRC-32 as it goes. The file is the one write_file would
-// write for the same tensors, byte for byte.
+// (crc32_concat), which each rank computes over its own rows (save) or the index records (export), so making the
+// header reads no tensor. What is written is checked against that CRC-32 as it goes. The file is the one
+// write_file would write for the same tensors, byte for byte. What a rank holds at once: its own rows of one
+// tensor, padded, and what the all-gather gives every rank (the whole tensor); rank 0 also assembles it. So about
+// two tensors, never the model.
 
 // The metadata of a full file: `user`'s, "format": "pt", and every tensor's CRC-32.
 std::map<std::string, std::string> full_file_metadata(std::map<std::string, std::string> user,
@@ -576,7 +578,7 @@ std::map<std::string, std::string> full_file_metadata(std::map<std::string, std:
 uint32_t combined_crc(const std::vector<std::pair<uint32_t, int64_t>>& pieces, uint64_t row_bytes) {
   uint32_t crc = 0;
   for (const auto& [piece_crc, rows] : pieces)
-    crc = safetensors::crc32_combine(crc, piece_crc, static_cast<uint64_t>(rows) * row_bytes);
+    crc = safetensors::crc32_concat(crc, piece_crc, static_cast<uint64_t>(rows) * row_bytes);
   return crc;
 }
 
@@ -592,8 +594,28 @@ void write_checked(safetensors::Writer& writer, const at::Tensor& t, const std::
 void put_in_place(const std::string& partial, const std::string& file) {
   if (::rename(partial.c_str(), file.c_str()) != 0)
     throw std::runtime_error("cannot rename '" + partial + "' to '" + file + "': " + std::strerror(errno));
-  fsync_path(parent_of(file), true);
+  try {  // the file is in place: a failure to flush its directory must not report the save as failed
+    fsync_path(parent_of(file), true);
+  } catch (const std::exception& e) {
+    warn_once("checkpoint.fsync_file_parent", std::string("full file: ") + e.what() +
+                                                  "; the file is in place, but a power loss now may undo the rename");
+  }
 }
+
+// A staging file removed on destruction unless it was put in place: a failed save or export leaves nothing of its
+// own behind, whatever threw. Declared before the Writer that writes it, so the Writer closes it first.
+struct StagingFile {
+  std::string path;
+  bool placed = false;
+  explicit StagingFile(std::string p) : path(std::move(p)) {}
+  StagingFile(const StagingFile&) = delete;
+  StagingFile& operator=(const StagingFile&) = delete;
+  ~StagingFile() {
+    if (placed) return;
+    std::error_code ec;
+    fs::remove(path, ec);
+  }
+};
 
 }  // namespace
 
@@ -749,12 +771,13 @@ void save_full_checkpoint(const std::string& file, const ShardedState& state, Co
     for (const auto& p : index["tensors"][t.name]["pieces"]) pieces.emplace_back(p["crc32"], p["rows"][1]);
     crcs.push_back(combined_crc(pieces, row_numel(t.full_sizes) * t.local.element_size()));
   }
-  const std::string partial = file + kStagingSuffix;
+  StagingFile partial(file + kStagingSuffix);  // rank 0's
   std::unique_ptr<safetensors::Writer> writer;
   Outcome assembled;  // rank 0's first failure: it keeps issuing every gather, and the last agreement reports it
   if (comm.rank() == 0)
     assembled = attempt([&] {
-      writer = std::make_unique<safetensors::Writer>(partial, specs, full_file_metadata(state.metadata, specs, crcs));
+      writer =
+          std::make_unique<safetensors::Writer>(partial.path, specs, full_file_metadata(state.metadata, specs, crcs));
     });
   const c10::Device device = collective_device(comm, state);
   for (const size_t i : safetensors::layout_order(specs)) {  // the file's order, on every rank
@@ -779,7 +802,7 @@ void save_full_checkpoint(const std::string& file, const ShardedState& state, Co
     // The same decision on every rank (from what every rank gathered): when rank 0 holds it all, or it has no
     // element, no collective.
     if ((savers == 1 && rows[0] > 0) || most * per_row == 0) {
-      if (comm.rank() == 0) write(rows[0] > 0 ? t.local : at::empty(t.full_sizes, cpu));
+      if (comm.rank() == 0) write(savers == 1 && rows[0] > 0 ? t.local : at::empty(t.full_sizes, cpu));
       continue;
     }
     // Gathered as bytes, whatever the dtype: Gloo carries neither bool nor int16 (nor, in 1.13, bfloat16), and
@@ -812,13 +835,10 @@ void save_full_checkpoint(const std::string& file, const ShardedState& state, Co
     wrote = attempt([&] {
       writer->finish();
       writer.reset();
-      put_in_place(partial, file);
+      put_in_place(partial.path, file);
+      partial.placed = true;
     });
-  if (comm.rank() == 0 && wrote.kind) {
-    writer.reset();
-    std::error_code ec;
-    fs::remove(partial, ec);  // a failed save leaves nothing of its own behind
-  }
+  writer.reset();  // closed before `partial` removes a file not put in place
   agree(comm, wrote, what);
 }
 
@@ -844,9 +864,9 @@ void export_checkpoint(const std::string& dir, const std::string& file, bool opt
   std::map<std::string, std::string> metadata;
   for (const auto& [key, value] : index.metadata)
     if (optimizer_state || key.rfind("optim.", 0) != 0) metadata.emplace(key, value);
-  const std::string partial = file + kStagingSuffix;
-  try {
-    safetensors::Writer writer(partial, specs, full_file_metadata(metadata, specs, crcs));
+  StagingFile partial(file + kStagingSuffix);
+  {
+    safetensors::Writer writer(partial.path, specs, full_file_metadata(metadata, specs, crcs));
     for (const size_t i : writer.order()) {
       const SavedTensor& saved = index.tensors.at(specs[i].name);
       at::Tensor whole = at::empty(saved.sizes, at::TensorOptions().dtype(saved.dtype));
@@ -854,12 +874,9 @@ void export_checkpoint(const std::string& dir, const std::string& file, bool opt
       write_checked(writer, whole, specs[i].name, crcs[i]);
     }
     writer.finish();
-  } catch (...) {
-    std::error_code ec;
-    fs::remove(partial, ec);
-    throw;
   }
-  put_in_place(partial, file);
+  put_in_place(partial.path, file);
+  partial.placed = true;
 }
 
 }  // namespace shardlab

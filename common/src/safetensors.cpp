@@ -224,7 +224,8 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t crc) {
   return static_cast<uint32_t>(c);
 }
 
-uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b) {
+uint32_t crc32_concat(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b) {
+  static_assert(sizeof(z_off_t) >= 8, "zlib's offsets must hold a tensor's byte count");
   return static_cast<uint32_t>(::crc32_combine(crc_a, crc_b, static_cast<z_off_t>(bytes_b)));
 }
 
@@ -257,9 +258,7 @@ Writer::Writer(const std::string& path, std::vector<TensorSpec> specs,
   uint64_t at = 0;
   for (const size_t i : order_) {
     const TensorSpec& t = specs_[i];
-    int64_t numel = 1;
-    for (const int64_t size : t.shape) numel *= size;
-    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(t.dtype);
+    const uint64_t bytes = static_cast<uint64_t>(checked_numel(t.shape, path, t.name)) * c10::elementSize(t.dtype);
     header[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {at, at + bytes}}};
     at += bytes;
   }
@@ -289,6 +288,7 @@ size_t Writer::next() const {
 }
 
 uint32_t Writer::write(const at::Tensor& tensor) {
+  if (failed_) throw std::logic_error("safetensors::Writer('" + path_ + "'): an earlier write failed");
   const TensorSpec& t = specs_[next()];
   if (fd_ < 0) throw std::logic_error("safetensors::Writer('" + path_ + "'): the file is closed");
   if (!tensor.defined() || tensor.scalar_type() != t.dtype || tensor.sizes().vec() != t.shape)
@@ -299,12 +299,18 @@ uint32_t Writer::write(const at::Tensor& tensor) {
                                      : "an undefined tensor"));
   const at::Tensor c = cpu_contiguous(tensor);
   const size_t bytes = static_cast<size_t>(c.numel()) * c.element_size();
-  write_all(fd_, c.data_ptr(), bytes, path_);
+  try {
+    write_all(fd_, c.data_ptr(), bytes, path_);
+  } catch (...) {  // part of it may be in the file: nothing after it may be
+    failed_ = true;
+    throw;
+  }
   ++written_;
   return crc32(c.data_ptr(), bytes);
 }
 
 void Writer::finish() {
+  if (failed_) throw std::logic_error("safetensors::Writer('" + path_ + "'): an earlier write failed");
   if (written_ != order_.size())
     throw std::logic_error("safetensors::Writer('" + path_ + "'): finished after " + std::to_string(written_) + " of " +
                            std::to_string(order_.size()) + " tensors");

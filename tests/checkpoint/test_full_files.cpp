@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -92,6 +93,67 @@ TEST(FullFiles, SaveAndExportHoldAboutOneTensorNotTheModelAndWriteWhatWriteFileW
     EXPECT_EQ(reader.header().metadata.at("shardlab.crc32." + name),
               std::to_string(safetensors::crc32(t.data_ptr(), t.numel() * t.element_size())))
         << name << ": the CRC-32 combined from the pieces is not the tensor's";
+}
+
+// Every kind of piece a full save meets, on 3 ranks: rows split over the ranks, a tensor only rank 2 holds, one
+// only rank 0 holds, a 0-dim tensor, tensors with no element (no rows; rows of no width, split), and dtypes that
+// Gloo cannot carry (bool, bfloat16). The file holds each whole, every CRC-32 checks, and a save that cannot
+// create its file fails on every rank and leaves nothing behind.
+TEST(FullFiles, EveryKindOfPieceIsWrittenWholeAndAFailedSaveLeavesNothing) {
+  const int world = 3;
+  TempDir dir("full-pieces");
+  const at::Tensor split = at::arange(18, at::kFloat).reshape({6, 3});
+  const at::Tensor flags = at::arange(6, at::kLong).remainder(2).to(at::kBool);
+  const at::Tensor halves = at::arange(12, at::kFloat).reshape({6, 2}).to(at::kBFloat16);
+  const at::Tensor only_two = at::arange(5, at::kLong);
+  const at::Tensor only_zero = at::full({2, 2}, 7.0, at::kDouble);
+  const at::Tensor scalar = at::scalar_tensor(3.5);
+  std::vector<std::string> errors(world);
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        ShardedState state;
+        state.tensors.push_back({"split", split.narrow(0, 2 * r, 2).clone(), {6, 3}, 2 * r, true});
+        state.tensors.push_back({"flags", flags.narrow(0, 2 * r, 2).clone(), {6}, 2 * r, true});
+        state.tensors.push_back({"halves", halves.narrow(0, 2 * r, 2).clone(), {6, 2}, 2 * r, true});
+        state.tensors.push_back({"only_two", only_two.clone(), {5}, 0, r == 2});
+        state.tensors.push_back({"only_zero", only_zero.clone(), {2, 2}, 0, r == 0});
+        state.tensors.push_back({"scalar", scalar.clone(), {}, 0, r == 0});
+        state.tensors.push_back({"no_rows", at::empty({0, 3}), {0, 3}, 0, r == 0});
+        state.tensors.push_back({"no_width", at::empty({2, 0}), {6, 0}, 2 * r, true});
+        save_full_checkpoint(dir / "all.safetensors", state, comm);
+        try {
+          save_full_checkpoint(dir / "missing/dir/all.safetensors", state, comm);
+        } catch (const std::runtime_error& e) {
+          errors[r] = e.what();
+        }
+      },
+      test_group());
+  const auto back = safetensors::load_file(dir / "all.safetensors");
+  const std::vector<std::pair<std::string, at::Tensor>> want = {{"split", split},
+                                                                {"flags", flags},
+                                                                {"halves", halves},
+                                                                {"only_two", only_two},
+                                                                {"only_zero", only_zero},
+                                                                {"scalar", scalar},
+                                                                {"no_rows", at::empty({0, 3})},
+                                                                {"no_width", at::empty({6, 0})}};
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(back.count(name)) << name;
+    EXPECT_EQ(back.at(name).sizes(), t.sizes()) << name;
+    EXPECT_TRUE(back.at(name).equal(t)) << name << " came back as\n" << back.at(name);
+  }
+  ShardedState reread;  // the CRC-32s the header recorded, checked by a load of every tensor
+  for (const auto& [name, t] : want) reread.tensors.push_back({name, at::zeros_like(t), t.sizes().vec(), 0, true});
+  run_ranks(
+      1, [&](Communicator& comm) { load_checkpoint(dir / "all.safetensors", reread, comm); }, test_group());
+  for (int r = 0; r < world; ++r)
+    EXPECT_NE(errors[r].find("missing/dir/all.safetensors"), std::string::npos) << "rank " << r << ": " << errors[r];
+  EXPECT_FALSE(std::filesystem::exists(dir / "missing")) << "a failed save made something";
+  size_t files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path)) files += entry.is_regular_file() ? 1 : 0;
+  EXPECT_EQ(files, 1U) << "only the saved file: no staging file is left behind";
 }
 
 }  // namespace

@@ -179,18 +179,21 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
     const std::string what = e.what(), extra = "INI was not able to parse ";
+    std::string line;                 // written at once (see below)
     if (e.get_name() == "FileError")  // CLI11 says "F was not readable (missing?)"; name the flag too
-      std::cerr << "shardlab: --config expects a readable TOML file; " << what << "\n";
+      line = "shardlab: --config expects a readable TOML file; " + what + "\n";
     else if (e.get_name() == "ConfigError" && what.rfind(extra, 0) == 0)  // a key of the file that no option has
-      std::cerr << "shardlab: --config: the file sets '" << what.substr(extra.size())
-                << "', which no option takes (the options of shardlab train --help, in its table: train.steps = 3, "
-                   "as --write-config writes them)\n";
+      line = "shardlab: --config: the file sets '" + what.substr(extra.size()) +
+             "', which no option takes (the options of shardlab train --help, in its table: train.steps = 3, as "
+             "--write-config writes them)\n";
     else
-      std::cerr << ("shardlab: " + what + "\n");
+      line = "shardlab: " + what + "\n";
+    std::cerr << line;
     if (e.get_name() == "RequiredError" && app.get_subcommands().empty()) std::cerr << app.help();
     return 2;
   } catch (const std::invalid_argument& e) {
-    std::cerr << ("shardlab: " + std::string(e.what()) + "\n");  // one write: a rank killed mid-line says all or nothing
+    // One write: a rank the launcher kills while it reports says all of its line or none of it.
+    std::cerr << ("shardlab: " + std::string(e.what()) + "\n");
     return 2;
   } catch (const std::exception& e) {
     std::cerr << ("shardlab: " + std::string(e.what()) + "\n");

@@ -139,9 +139,9 @@ void load_checkpoint(const std::string& path, ShardedState& state, Communicator&
 
 /// Saves `state` as a full checkpoint: one safetensors file at `file`, every tensor whole, written by rank 0 (the
 /// other ranks send it their rows) through a temporary file and a rename. The metadata and every tensor's CRC-32
-/// go into the file's "__metadata__". One tensor at a time: no rank holds more than about one tensor (Note [Full
-/// files written one tensor at a time]), so a model larger than one rank can be saved whole. A collective over
-/// `comm`.
+/// go into the file's "__metadata__". One tensor at a time: a rank holds about two tensors at once (its rows and
+/// what the all-gather gives it), never the model (Note [Full files written one tensor at a time]), so a model
+/// larger than one rank can be saved whole. A collective over `comm`.
 /// @throws as save_checkpoint.
 void save_full_checkpoint(const std::string& file, const ShardedState& state, Communicator& comm);
 

@@ -49,7 +49,7 @@ uint32_t crc32(const void* data, size_t bytes, uint32_t crc = 0);
 
 /// The CRC-32 of the bytes of A followed by the bytes of B, from `crc_a`, `crc_b` and B's length (zlib's
 /// crc32_combine): a whole tensor's CRC-32 from its pieces', without their bytes.
-uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b);
+uint32_t crc32_concat(uint32_t crc_a, uint32_t crc_b, uint64_t bytes_b);
 
 /// One tensor of a file to write, as its header will describe it.
 struct TensorSpec {
@@ -84,7 +84,8 @@ class Writer {
   size_t next() const;
   /// Writes `tensor` (any device, any strides) as the next tensor of order(); returns the CRC-32 of its bytes.
   /// @throws std::invalid_argument when its dtype or sizes are not the spec's; std::runtime_error naming the file
-  ///         when the write fails; std::logic_error when every tensor was written.
+  ///         when the write fails (the writer is then failed: every later call throws); std::logic_error when every
+  ///         tensor was written or the writer failed.
   uint32_t write(const at::Tensor& tensor);
   /// Flushes the file to the disk (fsync) and closes it.
   /// @throws std::logic_error when a tensor was not written; std::runtime_error naming the file on a failure.
@@ -96,6 +97,7 @@ class Writer {
   std::vector<size_t> order_;
   size_t written_ = 0;
   int fd_ = -1;
+  bool failed_ = false;  // a write failed part-way: the file is not whole, and nothing more is written
 };
 
 /// Writes `tensors` (name, tensor; any device, any strides: each is copied to contiguous CPU memory as needed)
