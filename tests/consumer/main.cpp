@@ -7,7 +7,10 @@
 // The same 4 processes train on three meshes of the one world: 2x2 (HSDP, accumulating two micro-batches with the
 // all-reduce deferred), 1x4 (FSDP), both built sharded from a ModelBuilder, and 4x1 (DDP), and each rank checks
 // the kind it got and its result against the same model trained on one device on the union of the 4 ranks'
-// batches. Rank 0 prints "consumer: ok" only when every rank's check held on every mesh.
+// batches. The model FSDP trained is then saved (a sharded checkpoint), exported as one safetensors file, and
+// loaded by HSDP built sharded from other values: it must hold the trained values bit for bit. Rank 0 prints
+// "consumer: ok" only when every rank's check held on every mesh.
+#include <shardlab/common/checkpoint.h>
 #include <shardlab/common/model.h>
 #include <shardlab/common/world.h>
 #include <shardlab/hsdp/parallelize.h>
@@ -18,6 +21,8 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/optim/adamw.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
 
 namespace {
@@ -137,6 +142,25 @@ int main() {
               << " vs one device: max parameter difference " << diff << " (allowed 1e-5)" << (held ? "" : " FAILED")
               << std::endl;
     ok = ok && held;
+    if (std::string(c.kind) != "fsdp") continue;
+    // The trained model through files, as a user keeps it: a sharded checkpoint, exported as one safetensors file
+    // (rank 0), loaded by HSDP built from other values. The ranks share the file system; MASTER_PORT names the run.
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / ("shardlab-consumer-" + std::string(std::getenv("MASTER_PORT"))))
+            .string();
+    const std::vector<at::Tensor> trained = dp->full_parameters();
+    dp->save_checkpoint(dir + "/checkpoint", nullptr);
+    if (rank == 0) shardlab::export_checkpoint(dir + "/checkpoint", dir + "/model.safetensors");
+    world->world().barrier();
+    shardlab::Mesh other(*world, 2, 2);
+    auto loaded = shardlab::parallelize([] { return std::make_shared<ResidualNet>(kSeed + 100); }, other);
+    loaded->load_checkpoint(dir + "/model.safetensors", nullptr);
+    const double round_trip = max_diff(loaded->full_parameters(), trained);
+    std::cout << "consumer: fsdp's model saved, exported and loaded by hsdp, rank " << rank << ": max difference "
+              << round_trip << " (allowed 0)" << (round_trip == 0 ? "" : " FAILED") << std::endl;
+    ok = ok && round_trip == 0;
+    world->world().barrier();
+    if (rank == 0) std::filesystem::remove_all(dir);
   }
   // Every rank's verdict, so that rank 0 speaks for all of them.
   at::Tensor failed = at::full({1}, ok ? 0.0F : 1.0F);
