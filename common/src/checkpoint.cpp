@@ -496,10 +496,11 @@ std::vector<std::vector<std::string>> match(const CheckpointIndex& index, const 
     const std::string name = alias == state.aliases.end() ? model_name : alias->second;
     const auto it = position.find(name);
     if (it == position.end()) {
-      if (!(skip_prefix.empty() || model_name.rfind(skip_prefix, 0) != 0) || !extra.empty()) continue;
-      extra = "checkpoint '" + index.path + "' holds tensor '" + saved + "'" +
-              (model_name != saved ? " (named '" + model_name + "' for this model)" : "") +
-              ", which this model does not have: saved from another model?";
+      const bool skipped = !skip_prefix.empty() && model_name.rfind(skip_prefix, 0) == 0;
+      if (!skipped && extra.empty())  // reported after the missing ones, which say more
+        extra = "checkpoint '" + index.path + "' holds tensor '" + saved + "'" +
+                (model_name != saved ? " (named '" + model_name + "' for this model)" : "") +
+                ", which this model does not have: saved from another model?";
       continue;
     }
     const auto [prior, fresh] = taken_as.emplace(model_name, saved);

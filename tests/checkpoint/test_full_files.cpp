@@ -8,6 +8,7 @@
 #include "shardlab/common/thread_ranks.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "support/counting_allocator.h"
+#include "support/eight_block_gpt.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
 
@@ -35,10 +36,7 @@ std::string bytes_of_file(const std::string& path) {
 }
 
 TEST(FullFiles, SaveAndExportHoldAboutOneTensorNotTheModelAndWriteWhatWriteFileWrites) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 8;
-  c.dim = 64;
+  const TrainConfig c = test_support::eight_block_gpt();
   const int world = 4;
   TempDir dir("full-files");
   const std::string saved_full = dir / "full.safetensors", exported = dir / "export.safetensors";

@@ -8,6 +8,7 @@
 #include "shardlab/common/thread_ranks.h"
 
 #include "support/counting_allocator.h"
+#include "support/eight_block_gpt.h"
 #include "support/fsdp_case.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
@@ -120,13 +121,10 @@ int64_t bytes_of(const std::vector<at::Tensor>& ts) {
 
 TEST(ShardedBuild, NoRankHoldsMoreThanItsShardsOneUnitAndTheRootWhileBuilding) {
   // A tiny GPT of 8 blocks: each block is an eighth of the model; the root (embeddings, final norm) is small.
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 8;
-  c.dim = 64;
+  const TrainConfig c = test_support::eight_block_gpt();
   const int world = 4;
   auto whole = make_model(c, at::kCPU);
-  const int64_t model_bytes = bytes_of(whole->parameters());
+  const int64_t model_bytes = bytes_of(trainable_parameters(*whole));  // the tie once
   int64_t unit_bytes = 0;
   for (const auto& unit : whole->units()) unit_bytes = std::max(unit_bytes, bytes_of(unit.module->parameters()));
   const int64_t root_bytes = model_bytes - static_cast<int64_t>(whole->units().size()) * unit_bytes;
@@ -164,10 +162,7 @@ TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsHoldingOnlyEachRanksRows) 
   // One device's tiny GPT of 8 blocks saved as one safetensors file (as an exported or a Hugging Face file), loaded
   // by 4 ranks built sharded from another seed: each holds only its rows, never the whole model (counted: every CPU
   // tensor; the reader's own 16 MiB chunks for CRC-32s are not tensors).
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 8;
-  c.dim = 64;
+  const TrainConfig c = test_support::eight_block_gpt();
   const int world = 4;
   const test_support::TempDir dir("sharded-load");
   const std::string file = dir / "model.safetensors";
@@ -176,7 +171,7 @@ TEST(ShardedBuild, AFullFileLoadsStraightIntoTheShardsHoldingOnlyEachRanksRows) 
   auto saved = make_model(saved_config, at::kCPU);
   safetensors::write_file(file, named_state(*saved, StateParts::kParametersAndBuffers, /*once=*/true));
   const std::vector<at::Tensor> expected = on_cpu(saved->parameters());
-  const int64_t model_bytes = bytes_of(saved->parameters());
+  const int64_t model_bytes = bytes_of(trainable_parameters(*saved));  // the tie once
   saved.reset();
 
   test_support::CountingCpuAllocator counting;

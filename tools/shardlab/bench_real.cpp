@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
-#include <iomanip>
 #include <memory>
 #include <sstream>
 
@@ -29,19 +29,8 @@ double most_mib(const std::vector<double>& per_rank) {
   return *std::max_element(per_rank.begin(), per_rank.end()) / kMiB;
 }
 
-std::string mib(double v) {
-  if (std::isnan(v)) return "-";
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(0) << v;
-  return s.str();
-}
-
-std::string fixed(double v, int digits) {
-  if (std::isnan(v)) return "-";
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(digits) << v;
-  return s.str();
-}
+// A figure as the bench's tables print it (fmt), "-" where none was measured.
+std::string figure(double v, int digits) { return std::isnan(v) ? "-" : fmt(v, digits); }
 
 struct Size {
   std::string label;
@@ -61,7 +50,7 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
   // Each round's median step, to read the noise: a difference within the spread of one row ranks nothing.
   const auto spread = [](const std::vector<double>& rounds) {
     std::string text;
-    for (const double v : rounds) text += (text.empty() ? "" : ", ") + fixed(v, 0);
+    for (const double v : rounds) text += (text.empty() ? "" : ", ") + figure(v, 0);
     return text;
   };
   md << "| model | world | row | step ms | rounds' steps ms | exposed comm ms | construction MiB | run peak MiB | "
@@ -120,11 +109,11 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
                                    {"rows", nlohmann::ordered_json::array()}};
     for (const Row& row : rows) {
       const RunReport& r = row.report;
-      md << "| " << size.label << " | " << size.world << " | " << row.label << " | " << fixed(r.step_time_ms, 0)
-         << " | " << spread(row.rounds) << " | " << fixed(r.exposed_comm_ms_per_step, 0) << " of "
-         << fixed(r.comm_busy_ms_per_step, 0) << " | " << mib(most_mib(r.construction_rss_bytes)) << " | "
-         << mib(most_mib(r.run_peak_rss_bytes)) << " | " << mib(most_mib(r.peak_rss_bytes)) << " | "
-         << mib(most_mib(r.base_rss_bytes)) << " | " << (r.construction.empty() ? "-" : r.construction) << " |\n";
+      md << "| " << size.label << " | " << size.world << " | " << row.label << " | " << figure(r.step_time_ms, 0)
+         << " | " << spread(row.rounds) << " | " << figure(r.exposed_comm_ms_per_step, 0) << " of "
+         << figure(r.comm_busy_ms_per_step, 0) << " | " << figure(most_mib(r.construction_rss_bytes), 0) << " | "
+         << figure(most_mib(r.run_peak_rss_bytes), 0) << " | " << figure(most_mib(r.peak_rss_bytes), 0) << " | "
+         << figure(most_mib(r.base_rss_bytes), 0) << " | " << (r.construction.empty() ? "-" : r.construction) << " |\n";
       section["rows"].push_back({{"row", row.label},
                                  {"strategy", row.strategy},
                                  {"step_ms", r.step_time_ms},
@@ -139,9 +128,9 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
     }
     if (peer.ok) {
       md << "| " << size.label << " | " << size.world << " | PyTorch FSDP2 " << peer.version << " (meta device) | "
-         << fixed(peer.step_ms, 0) << " | " << spread(peer_rounds) << " | - | " << mib(peer.construction_mib) << " | "
-         << mib(peer.run_peak_mib) << " | " << mib(peer.peak_mib) << " | " << mib(peer.base_mib)
-         << " | meta, to_empty, init |\n";
+         << figure(peer.step_ms, 0) << " | " << spread(peer_rounds) << " | - | " << figure(peer.construction_mib, 0)
+         << " | " << figure(peer.run_peak_mib, 0) << " | " << figure(peer.peak_mib, 0) << " | "
+         << figure(peer.base_mib, 0) << " | meta, to_empty, init |\n";
       section["rows"].push_back({{"row", "pytorch_fsdp2_meta"},
                                  {"torch_version", peer.version},
                                  {"param_count", peer.param_count},
@@ -157,15 +146,15 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
     }
     const RunReport& f = rows[0].report;
     const RunReport& d = rows[1].report;
-    targets << "- " << size.label << " (" << params << " parameters, " << mib(model_mib) << " MiB in fp32), "
-            << size.world << " ranks: fsdp_prefetch's step " << fixed(f.step_time_ms / d.step_time_ms, 2)
+    targets << "- " << size.label << " (" << params << " parameters, " << figure(model_mib, 0) << " MiB in fp32), "
+            << size.world << " ranks: fsdp_prefetch's step " << figure(f.step_time_ms / d.step_time_ms, 2)
             << "x bucketed DDP's";
-    if (peer.ok) targets << ", " << fixed(f.step_time_ms / peer.step_ms, 2) << "x PyTorch FSDP2's";
-    targets << "; its run peak " << mib(most_mib(f.run_peak_rss_bytes)) << " MiB per rank against DDP's "
-            << mib(most_mib(d.run_peak_rss_bytes)) << " ("
-            << fixed(most_mib(f.run_peak_rss_bytes) / most_mib(d.run_peak_rss_bytes), 2) << "x)"
-            << (peer.ok ? " and FSDP2's " + mib(peer.run_peak_mib) : "") << "; run peak / steady peak "
-            << fixed(most_mib(f.run_peak_rss_bytes) / most_mib(f.peak_rss_bytes), 2) << "\n";
+    if (peer.ok) targets << ", " << figure(f.step_time_ms / peer.step_ms, 2) << "x PyTorch FSDP2's";
+    targets << "; its run peak " << figure(most_mib(f.run_peak_rss_bytes), 0) << " MiB per rank against DDP's "
+            << figure(most_mib(d.run_peak_rss_bytes), 0) << " ("
+            << figure(most_mib(f.run_peak_rss_bytes) / most_mib(d.run_peak_rss_bytes), 2) << "x)"
+            << (peer.ok ? " and FSDP2's " + figure(peer.run_peak_mib, 0) : "") << "; run peak / steady peak "
+            << figure(most_mib(f.run_peak_rss_bytes) / most_mib(f.peak_rss_bytes), 2) << "\n";
     if (!peer_why.empty()) targets << "- " << size.label << ", PyTorch FSDP2: " << peer_why << "\n";
     out.push_back(section);
   }
