@@ -286,7 +286,13 @@ TEST(NaiveDDP, TiedEmbeddingIsReducedOnce) {
       2,
       [&](Communicator& comm) {
         auto model = make_model("tiny_gpt", 3);
+        const size_t built = comm.recorder().size();
         NaiveDDP ddp(model, comm);
+        const auto start = comm.recorder().since(built);
+        const auto broadcasts =
+            std::count_if(start.begin(), start.end(), [](const auto& r) { return r.op == "broadcast"; });
+        EXPECT_EQ(static_cast<size_t>(broadcasts), trainable_parameters(*model).size())
+            << "one broadcast per tensor: the tied embedding (wte.weight, lm_head.weight) once";
         auto data = make_dataset("tiny_gpt", 3);
         const size_t mark = comm.recorder().size();
         ddp.loss(rank_slice(data->global_batch(0, 4), comm.rank(), 2)).backward();
