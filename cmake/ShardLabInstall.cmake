@@ -1,5 +1,6 @@
 # Exported CMake package: find_package(ShardLab) gives shardlab::core and the stages' shardlab::naive_ddp ...
-# shardlab::hsdp (the library), and shardlab::common (the course's parts).
+# shardlab::hsdp (the library), and shardlab::course (the course's parts; shardlab::common, its 0.1 name, for one
+# release).
 include(CMakePackageConfigHelpers)
 set(SHARDLAB_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/ShardLab)
 install(EXPORT ShardLabTargets NAMESPACE shardlab:: DESTINATION ${SHARDLAB_CMAKE_DIR})

@@ -45,8 +45,8 @@ endfunction()
 # So the compile command of everything that includes a stage's headers (later stages, tests, tools) is the same in
 # either build, and switching one stage to its starter (tools/check-starter) recompiles only what includes a
 # header whose forwarder changed: a forwarder is rewritten only when the tree it points to changes, and make
-# compares its time. Later stages include the region-free headers (naive_ddp/no_sync.h,
-# naive_ddp/broadcast_state.h, bucketed_ddp/bucket_reducer.h), not the headers with regions, so their libraries
+# compares its time. Later stages include the region-free headers (naive_ddp/broadcast_state.h,
+# bucketed_ddp/bucket_reducer.h), not the headers with regions, so their libraries
 # are not recompiled; what does include a region header (that stage's and stage 03's tests, the tool's
 # strategies.cpp) is.
 # Why a forwarder and not a copy: a copy is taken when CMake configures, so a header a student edits while a build

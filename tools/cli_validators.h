@@ -4,7 +4,7 @@
 /// [1, 64]; got '0'". The description (shown in --help after the type) is the accepted form.
 #pragma once
 
-#include "shardlab/common/numbers.h"
+#include "shardlab/core/numbers.h"
 
 #include <CLI/CLI.hpp>
 

@@ -13,7 +13,7 @@ is replaced by exactly two lines at the BEGIN line's indentation:
     <indent>// TODO(stageNN): <what>
     <indent>throw ::shardlab::NotImplemented("NN", "<what>");
 
-NotImplemented (shardlab/common/errors.h, which a file with such a region must
+NotImplemented (shardlab/core/errors.h, which a file with such a region must
 include) is no std::logic_error, so a test that expects a user check cannot pass
 on a starter; its message is "not implemented: stage NN \u2014 <what>".
 
@@ -40,7 +40,7 @@ STAGE_DIR = re.compile(r"^(\d\d)_.+$")
 ANY_MARKER = re.compile(r"^\s*//\s*(BEGIN|END) SOLUTION\b")
 BEGIN = re.compile(r"^(\s*)//\s*BEGIN SOLUTION\(\s*(\d+)\s*(,\s*keep\s*)?\):(.*)$")
 END = re.compile(r"^\s*//\s*END SOLUTION\s*$")
-ERRORS_INCLUDE = '"shardlab/common/errors.h"'
+ERRORS_INCLUDE = '"shardlab/core/errors.h"'
 BEGIN_FORM = "'// BEGIN SOLUTION(NN): <what>' or '// BEGIN SOLUTION(NN, keep): <what>'"
 COMMENT = re.compile(r"^(\s*)//\s?(.*)$")
 COLUMN_LIMIT = 120  # .clang-format's: a longer BEGIN line is wrapped onto the next line by the formatter

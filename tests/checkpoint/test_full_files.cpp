@@ -1,11 +1,11 @@
 // Full files written one tensor at a time (Note [Full files written one tensor at a time] in checkpoint.cpp):
 // save_full_checkpoint from FSDP's shards and export_checkpoint from a sharded checkpoint never hold the model,
 // only about one tensor, and write the file write_file writes for the same tensors, byte for byte.
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/model_factory.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/safetensors.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/checkpoint/safetensors.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/course/model_factory.h"
+#include "shardlab/course/reference.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "support/counting_allocator.h"
 #include "support/eight_block_gpt.h"

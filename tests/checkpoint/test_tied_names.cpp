@@ -1,12 +1,12 @@
 // Loading files whose names are not the model's own: a tied weight saved under any of its names, or under all of
-// them (Note [A tied weight in a file] in common/src/checkpoint.cpp), and a load that maps a file's names to the
-// model's (SavedNames: Hugging Face's dotted names). Every wrapper loads through the same load_checkpoint; FSDP's
-// sharded rows and a replica's whole tensor are both checked.
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/model_factory.h"
-#include "shardlab/common/safetensors.h"
-#include "shardlab/common/thread_ranks.h"
-#include "shardlab/common/training_state.h"
+// them (Note [A tied weight in a file] in common/core/src/checkpoint/checkpoint.cpp), and a load that maps a file's
+// names to the model's (SavedNames: Hugging Face's dotted names). Every wrapper loads through the same load_checkpoint;
+// FSDP's sharded rows and a replica's whole tensor are both checked.
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/checkpoint/safetensors.h"
+#include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/course/model_factory.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "support/group.h"

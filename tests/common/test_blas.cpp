@@ -1,7 +1,7 @@
 // Note [BLAS threads per rank]: which BLAS this process runs on, OpenBLAS's thread count, and the launcher giving
 // every rank OMP_NUM_THREADS=1 unless the user chose.
-#include "shardlab/common/blas.h"
-#include "shardlab/common/launcher.h"
+#include "shardlab/course/blas.h"
+#include "shardlab/course/launcher.h"
 
 #include <gtest/gtest.h>
 

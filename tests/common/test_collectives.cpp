@@ -1,7 +1,7 @@
 // Tests of the Communicator on real Gloo process groups, ranks as threads: results, fallbacks, the collective
 // record, asynchrony, the barrier, argument validation and timeouts; Handle's rules; comm_time.
-#include "shardlab/common/thread_ranks.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/comm/world.h"
 #include "support/delayed_backend.h"
 #include "support/device.h"
 #include "support/group.h"

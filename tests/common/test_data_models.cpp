@@ -1,8 +1,8 @@
 // Tests of the deterministic models, data, sampler, reference trainer and torchrun environment parsing.
-#include "shardlab/common/data.h"
-#include "shardlab/common/models.h"
-#include "shardlab/common/process_group.h"
-#include "shardlab/common/reference.h"
+#include "shardlab/core/comm/process_group.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/models.h"
+#include "shardlab/course/reference.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -1,10 +1,10 @@
 // The three error tiers (Note [Three error tiers]): an internal assertion is its own type and names where it
 // failed; warn_once prints once per key and counts the rest; the communicator warns once on its slow fallbacks.
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/compat.h"
-#include "shardlab/common/errors.h"
-#include "shardlab/common/numbers.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/numbers.h"
 
 #include "support/group.h"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gen_stages.py"
 
 SOLUTION_CPP = """\
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 int add(int a, int b) {
     // BEGIN SOLUTION(07): add two ints
@@ -32,7 +32,7 @@ void fill(float* p, int n) {
 // trailing line without newline"""
 
 EXPECTED_CPP = """\
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 int add(int a, int b) {
     // TODO(stage07): add two ints
@@ -149,7 +149,7 @@ class GenStagesTest(unittest.TestCase):
         self.expect_error("// BEGIN SOLUTION 07: a\n// END SOLUTION\n", 1, ["malformed marker"],
                           "malformed marker")
         self.expect_error("int f() {\n  // BEGIN SOLUTION(07): a\n  return 1;\n  // END SOLUTION\n}\n", 1,
-                          ["shardlab/common/errors.h", "NotImplemented"],
+                          ["shardlab/core/errors.h", "NotImplemented"],
                           "a throwing region in a file without the errors header")
         # A BEGIN line the formatter wrapped: the title would be cut mid-sentence and its end vanish into the region.
         long_what = "x" * 70 + " and the rest of the"  # a 116-column line: the next word did not fit

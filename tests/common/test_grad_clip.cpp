@@ -1,7 +1,7 @@
 // Gradient clipping by the global norm over gradients sharded across ranks (grad_clip.h, Note [A norm over shards]),
 // and the Communicator's ReduceOp::kMax it needs. Ranks are threads on real Gloo groups.
-#include "shardlab/common/grad_clip.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/model/grad_clip.h"
 
 #include "support/group.h"
 

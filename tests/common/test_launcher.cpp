@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "shardlab/common/launcher.h"
+#include "shardlab/course/launcher.h"
 
 namespace shardlab {
 namespace {

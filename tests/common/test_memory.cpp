@@ -1,9 +1,9 @@
 // What common/ allocates, measured with a counting CPU allocator: the Communicator's private copies are exactly
 // what all_gather_scratch_bytes / reduce_scatter_scratch_bytes state (a hidden copy fails these tests), and the
 // BufferPool reuses its blocks instead of asking malloc again.
-#include "shardlab/common/buffer_pool.h"
-#include "shardlab/common/flat_storage.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/storage/buffer_pool.h"
+#include "shardlab/core/storage/flat_storage.h"
 #include "support/counting_allocator.h"
 #include "support/group.h"
 

@@ -1,7 +1,7 @@
 // check_same_model: every rank's model structure compared with rank 0's before any training collective
 // (Note [Comparing the ranks' models]). Ranks are threads on real Gloo groups.
-#include "shardlab/common/model_check.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/model/model_check.h"
 
 #include "support/group.h"
 

@@ -1,11 +1,11 @@
 // Tests of progress points (Note [Yielding to communication]): a CPU collective is counted in flight from its
 // submission until it completes, and backward yields at each gradient-ready point only while one is in flight and
 // yielding is on. Structure only: what was counted and how many yields, never how long anything took.
-#include "shardlab/common/comm_record.h"
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/grad_ready.h"
-#include "shardlab/common/progress.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/comm_record.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/comm/progress.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/model/grad_ready.h"
 #include "support/group.h"
 
 #include <ATen/ATen.h>

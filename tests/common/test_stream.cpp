@@ -1,6 +1,6 @@
 // Tests of the stream/event wrapper: every call is a harmless no-op on CPU (where c10 would throw), and on CUDA
 // (only when a GPU is present) a side stream is really ordered by an event.
-#include "shardlab/common/stream.h"
+#include "shardlab/core/device/stream.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>

@@ -1,9 +1,9 @@
 // The World and the Mesh: named groups over one store, with threads and with processes; each mesh group reduces
 // over exactly its row or column; every record names its group and that group's size; a bad mesh or group is a
 // clear error before any group is made.
-#include "shardlab/common/launcher.h"
-#include "shardlab/common/thread_ranks.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/comm/world.h"
+#include "shardlab/course/launcher.h"
 
 #include "support/group.h"
 

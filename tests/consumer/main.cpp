@@ -10,9 +10,9 @@
 // batches. The model FSDP trained is then saved (a sharded checkpoint), exported as one safetensors file, and
 // loaded by HSDP built sharded from other values: it must hold the trained values bit for bit. Rank 0 prints
 // "consumer: ok" only when every rank's check held on every mesh.
-#include <shardlab/common/checkpoint.h>
-#include <shardlab/common/model.h>
-#include <shardlab/common/world.h>
+#include <shardlab/core/checkpoint/checkpoint.h>
+#include <shardlab/core/comm/world.h>
+#include <shardlab/core/model/model.h>
 #include <shardlab/hsdp/parallelize.h>
 
 #include <ATen/ATen.h>

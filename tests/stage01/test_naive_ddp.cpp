@@ -1,9 +1,9 @@
 // Stage 01 — naive DDP. N ranks (threads, real Gloo) must train exactly like one device on the union of their
 // batches, with one all-reduce per parameter gradient and none inside no_sync.
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 
 #include "support/clipping.h"
@@ -107,7 +107,8 @@ std::vector<EquivalenceCase> equivalence_cases() {
   cases.push_back({"mlp", "adamw", 4, 3});
   // the edge cases (frozen, sometimes-unused, odd dim 0, buffer) and the tied embedding.
   // The tiny GPT trains with SGD here: a few of its gradient entries cancel to ~eps, which AdamW turns into
-  // differences of lr's order under some BLAS kernels. See Note [Comparing with one device] (common/src/reference.cpp).
+  // differences of lr's order under some BLAS kernels. See Note [Comparing with one device]
+  // (common/course/src/reference.cpp).
   cases.push_back({"edge", "sgd", 2, 1});
   cases.push_back({"edge", "adamw", 4, 1});
   cases.push_back({"tiny_gpt", "sgd", 2, 1});

@@ -3,10 +3,10 @@
 // gradient-ready order.
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/bucketed_ddp/order_agreement.h"
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "support/clipping.h"
 #include "support/device.h"
@@ -103,7 +103,7 @@ std::vector<EquivalenceCase> equivalence_cases() {
   }
   cases.push_back({"mlp", "sgd", 4, 3, 3, false});  // gradient accumulation with no_sync
   cases.push_back({"mlp", "adamw", 2, 2, 2, false});
-  // tiny GPT (SGD: see Note [Comparing with one device] in common/src/reference.cpp) with many small buckets
+  // tiny GPT (SGD: see Note [Comparing with one device] in common/course/src/reference.cpp) with many small buckets
   cases.push_back({"tiny_gpt", "sgd", 2, 1, 0, false});
   cases.push_back({"tiny_gpt", "sgd", 4, 3, 0, false});
   cases.push_back({"tiny_gpt", "sgd", 3, 1, 1, false});

@@ -3,9 +3,9 @@
 // search over the grid written here from the model's definition, not with the module's own functions.
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/bucketed_ddp/cap_tuning.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "support/group.h"
 

@@ -2,9 +2,9 @@
 // collective, large ones go at once, full buckets launch without waiting, every callback gets exactly its chunk of
 // the sum, and teardown frees the buffers (or refuses while work is pending).
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
-#include "shardlab/common/compat.h"
-#include "shardlab/common/process_group.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/process_group.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
 #include "support/delayed_backend.h"
 #include "support/group.h"
 

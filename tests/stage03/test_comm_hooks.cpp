@@ -3,10 +3,10 @@
 // train close to the fp32 single-device reference, and halve the bytes on the wire where the backend can.
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "support/counting_allocator.h"
 #include "support/device.h"

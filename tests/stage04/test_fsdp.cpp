@@ -3,12 +3,12 @@
 // measured memory peak equal to the layout's accounting.
 #include "shardlab/fsdp/fsdp.h"
 
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/flat_storage.h"
-#include "shardlab/common/grad_clip.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/core/model/grad_clip.h"
+#include "shardlab/core/storage/flat_storage.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "support/clipping.h"
 #include "support/device.h"
@@ -79,7 +79,7 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
 }
 
 std::vector<Case> cases() {
-  // tiny GPT with SGD: see Note [Comparing with one device] in common/src/reference.cpp.
+  // tiny GPT with SGD: see Note [Comparing with one device] in common/course/src/reference.cpp.
   return {{"tiny_gpt", "sgd", 2, 1, true}, {"tiny_gpt", "sgd", 3, 2, false}, {"tiny_gpt", "sgd", 4, 1, true},
           {"mlp", "sgd", 1, 1, true},      {"mlp", "adamw", 2, 1, true},     {"mlp", "adamw", 3, 3, true},
           {"mlp", "sgd", 4, 2, false},     {"edge", "sgd", 2, 1, true},      {"edge", "adamw", 3, 2, false},

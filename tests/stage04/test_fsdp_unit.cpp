@@ -2,10 +2,10 @@
 // bytes, and its gradients reduce-scattered into the mean of the ranks' rows.
 #include "shardlab/fsdp/fsdp_unit.h"
 
-#include "shardlab/common/buffer_pool.h"
-#include "shardlab/common/flat_storage.h"
-#include "shardlab/common/model.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/storage/buffer_pool.h"
+#include "shardlab/core/storage/flat_storage.h"
 
 #include "support/group.h"
 

@@ -3,9 +3,9 @@
 // is broadcast, and a rank whose build fails stops every rank.
 #include "shardlab/fsdp/fsdp.h"
 
-#include "shardlab/common/reference.h"
-#include "shardlab/common/safetensors.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/checkpoint/safetensors.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/course/reference.h"
 
 #include "support/counting_allocator.h"
 #include "support/eight_block_gpt.h"

@@ -1,8 +1,8 @@
 #pragma once
 // What stage 05's tests share: a chain model whose blocks run in an order other than their registration, an event
 // log of the units as "U name" (a real begin_unshard) and "R name" (a real reshard), and the step they drive.
-#include "shardlab/common/data.h"
-#include "shardlab/common/model.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/course/data.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/prefetch/prefetch.h"
 

@@ -3,10 +3,10 @@
 // ends. Ranks are threads on real Gloo groups.
 #include "shardlab/prefetch/prefetch.h"
 
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "stage05/prefetch_support.h"
 #include "support/gradients.h"

@@ -6,10 +6,10 @@
 // issue different collectives on different ranks here, and hang or fail by its timeout.
 #include "shardlab/prefetch/prefetch.h"
 
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "support/delayed_backend.h"
 #include "support/group.h"

@@ -6,11 +6,11 @@
 #include "shardlab/hsdp/parallelize.h"
 #include "shardlab/prefetch/prefetch.h"
 
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/comm/world.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include "support/clipping.h"
 #include "support/gradients.h"

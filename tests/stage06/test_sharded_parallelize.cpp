@@ -3,9 +3,9 @@
 // the stage's task: the FSDP and HSDP shapes fail on the starter, so the test does.)
 #include "shardlab/hsdp/parallelize.h"
 
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/core/comm/world.h"
+#include "shardlab/course/reference.h"
 
 #include "support/group.h"
 #include "support/train_replica.h"

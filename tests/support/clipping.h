@@ -1,7 +1,7 @@
 #pragma once
 // Clipped training configurations for the wrappers' clipping tests (grad_clip.h): the bound must bind, or an
 // equivalence with the clipped single device could not tell clipping from none.
-#include "shardlab/common/reference.h"
+#include "shardlab/course/reference.h"
 
 #include <gtest/gtest.h>
 

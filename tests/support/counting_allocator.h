@@ -2,7 +2,7 @@
 // A CPU allocator that counts the bytes every CPU tensor of the process holds, for tests that prove what a piece of
 // code really allocates ("nothing hidden"): CountingCpuAllocator::Install puts it in front of the CPU allocator in
 // force for its lifetime. The count is process-wide (every thread: ranks as threads, Gloo's workers, the ring's).
-#include "shardlab/common/buffer_pool.h"  // SHARDLAB_ALLOCATE_CONST / SHARDLAB_ALLOCATOR_COPY_DATA
+#include "shardlab/core/storage/buffer_pool.h"  // SHARDLAB_ALLOCATE_CONST / SHARDLAB_ALLOCATOR_COPY_DATA
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

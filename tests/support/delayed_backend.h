@@ -2,8 +2,8 @@
 // A c10d backend that forwards every op the Communicator issues to a real one, after a random delay drawn per op
 // kind: the way tests shift the timing of collectives (on one rank, or on all of them) without touching the code
 // under test. Installed through GroupOptions::wrap_backend.
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/compat.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/compat.h"
 
 #include <atomic>
 #include <chrono>

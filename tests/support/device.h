@@ -2,8 +2,8 @@
 // The device the tests put their tensors on. CPU by default; `SHARDLAB_TEST_DEVICE=cuda ctest ...` runs the
 // equivalence and collective tests with CUDA tensors (every thread rank on cuda:0, over Gloo, which handles CUDA
 // tensors), the way the suite is run on a GPU machine.
-#include "shardlab/common/compat.h"
-#include "shardlab/common/device.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/core/device/device.h"
 
 #include <cstdlib>
 #include <string>

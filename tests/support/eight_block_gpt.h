@@ -1,7 +1,7 @@
 #pragma once
 // The tiny GPT of the memory tests: 8 blocks of width 64 (1.6 MB in fp32), so that a block is an eighth of the
 // model, the root (embeddings, final norm) is small, and a bound of a few tensors is far below the model.
-#include "shardlab/common/reference.h"
+#include "shardlab/course/reference.h"
 
 namespace shardlab::test_support {
 

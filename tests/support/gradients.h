@@ -1,7 +1,7 @@
 #pragma once
 // Gradients as the tests reason about them: a rank's own gradient, computed beside a DDP wrapper without it seeing
 // anything, and the average two ranks' all-reduce leaves.
-#include "shardlab/common/model.h"
+#include "shardlab/core/model/model.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>

@@ -1,7 +1,7 @@
 #pragma once
 // The process-group options the multi-rank tests share: a collective that hangs fails after 30 s, naming the rank
 // and the op, well inside the tests' ctest TIMEOUT.
-#include "shardlab/common/process_group.h"
+#include "shardlab/core/comm/process_group.h"
 
 #include <chrono>
 

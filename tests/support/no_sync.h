@@ -1,9 +1,9 @@
 #pragma once
 // The no_sync contract the replicating DDP wrappers share (stage 01's NaiveDDP, stage 02's BucketedDDP; both hand
 // out stage 01's NoSync): one test body, run by each stage's suite on its own wrapper.
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/thread_ranks.h"
+#include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 #include "support/gradients.h"
 #include "support/group.h"
 

@@ -1,8 +1,8 @@
 #pragma once
 // A wrapper's construction that every rank must refuse alike (the ranks' models differ: check_same_model), and
 // what each rank ran meanwhile.
-#include "shardlab/common/comm_record.h"
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/comm_record.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <gtest/gtest.h>
 

@@ -2,9 +2,9 @@
 // The training loop every stage's equivalence tests share: K steps of one rank's replica through a DDP wrapper,
 // on this rank's slice of each global batch, split into micro-batches of which all but the last run inside
 // no_sync(), exactly as `train_reference` does on one device with the whole batch.
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include <vector>
 

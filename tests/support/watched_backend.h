@@ -2,7 +2,7 @@
 // Watching the collectives from below (stages 01 and 02): when each broadcast and all-reduce is waited for, whether
 // every rank issues the same ones in the same order, and an all-reduce that fails on purpose. Installed on every rank
 // through GroupOptions::wrap_backend (watched_group).
-#include "shardlab/common/comm_record.h"
+#include "shardlab/core/comm/comm_record.h"
 #include "support/failing_backend.h"
 #include "support/group.h"
 

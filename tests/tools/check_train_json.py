@@ -34,7 +34,7 @@ if missing:
 else:
     if len(report["losses"]) != len(report["reference_losses"]):
         errors.append("losses and reference_losses differ in length")
-    # Note [Comparing with one device] (common/src/reference.cpp): SGD's parameters tight; AdamW's within AdamW's
+    # Note [Comparing with one device] (common/course/src/reference.cpp): SGD's parameters tight; AdamW's within AdamW's
     # own bound, its losses tight (below).
     allowed = report["adamw_param_bound"] if report["optimizer"] == "adamw" else max_diff
     if not report["max_param_diff"] <= allowed:

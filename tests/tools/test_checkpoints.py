@@ -128,7 +128,7 @@ with tempfile.TemporaryDirectory() as tmp:
               f"FSDP x2 stopped at step 2 and resumed equals FSDP x2 for 3 steps bit for bit ({len(a)} tensors, the "
               f"optimizer's included): differing {differ[:5]}, losses {again['losses']} vs {straight['losses'][2:]}")
         # Across strategies and world sizes the sums run in another order. Note [Comparing with one device]
-        # (common/src/reference.cpp): with AdamW the losses are tight (the step's, and the final parameters' on the next
+        # (common/course/src/reference.cpp): with AdamW the losses are tight (the step's, and the final parameters' on the next
         # batch, which sees the resumed optimizer state), the parameters within AdamW's own bound.
         resumed = train(tmp, "resumed", "--strategy", "bucketed_ddp", "--world-size", "3", "--steps", "3", *common,
                         "--resume", ckpt)
@@ -213,7 +213,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
                 z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
                 z ^= z >> 31
-                text = open(os.path.join(SOURCE, "common/data/tiny_corpus.txt"), "rb").read()
+                text = open(os.path.join(SOURCE, "common/course/data/tiny_corpus.txt"), "rb").read()
                 vocab_chars = sorted(set(text))
                 tokens = torch.tensor([vocab_chars.index(c) for c in text], dtype=torch.long)
                 starts = torch.randint(len(tokens) - 32 - 1, (size,), generator=torch.Generator().manual_seed(z))

@@ -31,7 +31,7 @@ def train(tmp, name, *args):
 
 
 # The tiny GPT's parameters: token and position embeddings, per block two LayerNorms, qkv (no bias), proj, fc, out,
-# then the final LayerNorm (common/src/models.cpp).
+# then the final LayerNorm (common/course/src/models.cpp).
 d = DIM
 params = VOCAB * d + BLOCK * d + LAYERS * (2 * 2 * d + 3 * d * d + d * d + d + 4 * d * d + 4 * d + 4 * d * d + d) + 2 * d
 model_mib = params * 4 / 2**20

@@ -2,7 +2,7 @@
 """PyTorch DistributedDataParallel baseline for the shardlab benchmark.
 
 Trains torch.nn.parallel.DistributedDataParallel (Gloo backend, CPU) on a Python copy of shardlab's C++ `tiny_gpt`
-model (common/src/models.cpp) and times every optimizer step, so the shardlab C++ benchmark can print
+model (common/course/src/models.cpp) and times every optimizer step, so the shardlab C++ benchmark can print
 shardlab/PyTorch step-time ratios for the same model, global batch, world size and bucket sizes.
 
 Run it as N ranks the way torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the

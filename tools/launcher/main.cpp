@@ -1,5 +1,5 @@
 /// @file main.cpp
-/// `shardlab-run`: starts N local ranks of a program, torchrun style. See shardlab/common/launcher.h.
+/// `shardlab-run`: starts N local ranks of a program, torchrun style. See shardlab/course/launcher.h.
 ///
 ///   shardlab-run -n N [--nnodes M --node-rank K --master-addr A] [--master-port P] [--timeout SECONDS]
 ///                -- program args...
@@ -7,7 +7,7 @@
 /// Exit status: 0 when every rank exited 0; the failing rank's code (128+signal if it was killed, 124 on timeout,
 /// 127 if the program cannot be executed); 2 for bad command-line flags.
 
-#include "shardlab/common/launcher.h"
+#include "shardlab/course/launcher.h"
 
 #include "../cli_validators.h"
 

@@ -5,8 +5,8 @@
 #include "run.h"
 #include "strategies.h"
 
-#include "shardlab/common/launcher.h"
-#include "shardlab/common/model.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/course/launcher.h"
 
 #include <unistd.h>
 #include <nlohmann/json.hpp>

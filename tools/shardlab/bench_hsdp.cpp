@@ -7,8 +7,8 @@
 #include "run.h"
 #include "strategies.h"
 
-#include "shardlab/common/data.h"
-#include "shardlab/common/reference.h"
+#include "shardlab/course/data.h"
+#include "shardlab/course/reference.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>

@@ -7,7 +7,7 @@
 #include "run.h"
 #include "strategies.h"
 
-#include "shardlab/common/reference.h"
+#include "shardlab/course/reference.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>

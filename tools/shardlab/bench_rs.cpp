@@ -1,12 +1,12 @@
 // `shardlab bench --section reduce_scatter`: the ring reduce-scatter built on c10d's send/recv (Note [Ring
-// reduce-scatter] in common/src/communicator.cpp) against the all-reduce fallback that Gloo users get (PyTorch's
-// FSDP on Gloo included), as real processes, at the sizes FSDP reduce-scatters; and whether kAuto's rule
+// reduce-scatter] in common/core/src/comm/communicator.cpp) against the all-reduce fallback that Gloo users get
+// (PyTorch's FSDP on Gloo included), as real processes, at the sizes FSDP reduce-scatters; and whether kAuto's rule
 // (ring_reduce_scatter_pays) picks the faster one at each size. Also the ring all-gather (Note [Ring all-gather])
 // against the backend's own (Gloo 1.13: the list all-gather, with its private copy of the output).
 #include "bench.h"
 
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/process_group.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/comm/process_group.h"
 
 #include <ATen/ATen.h>
 

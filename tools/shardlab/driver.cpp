@@ -1,9 +1,9 @@
 #include "run.h"
 #include "strategies.h"
 
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/device.h"
-#include "shardlab/common/launcher.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/device/device.h"
+#include "shardlab/course/launcher.h"
 
 #include <ATen/ATen.h>
 #include <unistd.h>

@@ -12,7 +12,7 @@
 #include "run.h"
 #include "strategies.h"
 
-#include "shardlab/common/checkpoint.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
 
 #include <CLI/CLI.hpp>
 

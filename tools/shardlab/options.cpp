@@ -4,12 +4,12 @@
 
 #include "strategies.h"
 
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/device.h"
-#include "shardlab/common/model.h"
-#include "shardlab/common/model_factory.h"
-#include "shardlab/common/numbers.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/comm/world.h"
+#include "shardlab/core/device/device.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/numbers.h"
+#include "shardlab/course/model_factory.h"
 
 #include <CLI/CLI.hpp>
 

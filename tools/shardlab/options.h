@@ -1,7 +1,7 @@
 #pragma once
 // Command-line options of `shardlab train`, `shardlab compare` and the hidden `shardlab worker`.
 
-#include "shardlab/common/reference.h"
+#include "shardlab/course/reference.h"
 
 #include <cstdint>
 #include <set>

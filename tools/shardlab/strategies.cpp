@@ -3,13 +3,13 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/comm_hooks/optimizer_overlap.h"
-#include "shardlab/common/compat.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/device.h"
-#include "shardlab/common/errors.h"
-#include "shardlab/common/grad_clip.h"
-#include "shardlab/common/process_group.h"
-#include "shardlab/common/training_state.h"
+#include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/comm/process_group.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/core/device/device.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/model/grad_clip.h"
+#include "shardlab/course/data.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
@@ -558,7 +558,7 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
   auto mesh = std::make_shared<Mesh>(*world, replicas, shards);
   std::shared_ptr<Model> model;
   auto wrapper = hsdp::fully_shard_hybrid(sharded_builder(c, model), *mesh, fsdp_options(s, c.model),
-                                          hsdp::Wire::kReduceDtype, parse_device(c.device));
+                                          Wire::kReduceDtype, parse_device(c.device));
   prefetch_as_told(*wrapper, s);
   MicroBatchHook accumulation;
   if (s.defer_all_reduce) {

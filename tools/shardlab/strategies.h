@@ -4,10 +4,10 @@
 
 #include "options.h"
 
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/reference.h"
-#include "shardlab/common/trace.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/comm/world.h"
+#include "shardlab/core/trace.h"
+#include "shardlab/course/reference.h"
 
 #include <functional>
 #include <map>

@@ -1,14 +1,14 @@
 #include "run.h"
 #include "strategies.h"
 
-#include "shardlab/common/blas.h"
-#include "shardlab/common/buffer_pool.h"
-#include "shardlab/common/data.h"
-#include "shardlab/common/device.h"
-#include "shardlab/common/numbers.h"
-#include "shardlab/common/process_group.h"
-#include "shardlab/common/progress.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/process_group.h"
+#include "shardlab/core/comm/progress.h"
+#include "shardlab/core/comm/world.h"
+#include "shardlab/core/device/device.h"
+#include "shardlab/core/numbers.h"
+#include "shardlab/core/storage/buffer_pool.h"
+#include "shardlab/course/blas.h"
+#include "shardlab/course/data.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

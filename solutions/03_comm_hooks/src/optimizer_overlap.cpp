@@ -1,7 +1,7 @@
 #include "shardlab/comm_hooks/optimizer_overlap.h"
 
-#include "shardlab/common/comm_record.h"
-#include "shardlab/common/errors.h"
+#include "shardlab/core/comm/comm_record.h"
+#include "shardlab/core/errors.h"
 
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>

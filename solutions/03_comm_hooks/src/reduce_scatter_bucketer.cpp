@@ -1,7 +1,7 @@
 #include "shardlab/comm_hooks/reduce_scatter_bucketer.h"
 
-#include "shardlab/common/errors.h"
-#include "shardlab/common/flat_storage.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/storage/flat_storage.h"
 
 #include <ATen/ATen.h>
 

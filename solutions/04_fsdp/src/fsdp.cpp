@@ -1,8 +1,8 @@
 #include "shardlab/fsdp/fsdp.h"
 
-#include "shardlab/common/errors.h"
-#include "shardlab/common/grad_clip.h"
-#include "shardlab/common/progress.h"
+#include "shardlab/core/comm/progress.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/model/grad_clip.h"
 
 #include <ATen/core/grad_mode.h>
 

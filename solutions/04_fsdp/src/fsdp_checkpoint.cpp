@@ -1,6 +1,6 @@
 // FullyShardedModel's checkpoints: its state as rows of the full parameters (checkpoint.h, training_state.h).
-#include "shardlab/common/errors.h"
-#include "shardlab/common/training_state.h"
+#include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/errors.h"
 #include "shardlab/fsdp/fsdp.h"
 
 #include <set>

@@ -1,7 +1,7 @@
 #include "shardlab/fsdp/memory.h"
 
-#include "shardlab/common/comm_record.h"
-#include "shardlab/common/errors.h"
+#include "shardlab/core/comm/comm_record.h"
+#include "shardlab/core/errors.h"
 
 #include <algorithm>
 #include <stdexcept>

@@ -1,7 +1,7 @@
 #include "shardlab/hsdp/hsdp_reducer.h"
 
 #include "shardlab/comm_hooks/comm_hook.h"
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <ATen/ATen.h>
 
@@ -27,26 +27,7 @@ std::string describe(const at::Tensor& t) {
          (t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-c10::ScalarType wire_dtype(Wire wire, c10::ScalarType reduce) {
-  switch (wire) {
-    case Wire::kFloat16:
-      return at::kHalf;
-    case Wire::kBFloat16:
-      return at::kBFloat16;
-    case Wire::kReduceDtype:
-      break;
-  }
-  return reduce;
-}
-
 }  // namespace
-
-Wire parse_wire(const std::string& name) {
-  if (name == "reduce_scatter") return Wire::kReduceDtype;
-  if (name == "fp16") return Wire::kFloat16;
-  if (name == "bf16") return Wire::kBFloat16;
-  throw std::invalid_argument("hsdp: unknown reduction '" + name + "'; expected reduce_scatter, fp16 or bf16");
-}
 
 HsdpReducer::HsdpReducer(Communicator& shard, Communicator& replicate, Wire wire)
     : shard_(shard), replicate_(replicate), wire_(wire) {}

@@ -1,11 +1,11 @@
 #include "shardlab/hsdp/parallelize.h"
 
 #include "shardlab/comm_hooks/comm_hook.h"
-#include "shardlab/common/training_state.h"
+#include "shardlab/core/checkpoint/training_state.h"
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/prefetch/prefetch.h"
 
-#include "shardlab/common/text_gather.h"
+#include "shardlab/core/comm/text_gather.h"
 
 #include <ATen/ATen.h>
 
@@ -38,7 +38,7 @@ std::string DataParallel::kind_name() const {
 
 at::Tensor DataParallel::loss(const Batch& batch) { return ddp_ ? ddp_->loss(batch) : sharded_->loss(batch); }
 
-naive_ddp::NoSync DataParallel::no_sync() { return ddp_ ? ddp_->no_sync() : sharded_->no_sync(); }
+NoSync DataParallel::no_sync() { return ddp_ ? ddp_->no_sync() : sharded_->no_sync(); }
 
 std::vector<at::Tensor> DataParallel::parameters() {
   if (sharded_) return sharded_->parameters();
@@ -95,8 +95,8 @@ namespace {
 std::unique_ptr<DataParallel> replicated(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
   bucketed_ddp::Options options;
   options.find_unused_parameters = policy.reduction.allow_unused_parameters;
-  if (policy.reduction.wire != hsdp::Wire::kReduceDtype) {
-    const std::string hook = policy.reduction.wire == hsdp::Wire::kFloat16 ? "fp16" : "bf16";
+  if (policy.reduction.wire != Wire::kReduceDtype) {
+    const std::string hook = wire_name(policy.reduction.wire);
     options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, mesh.replicate_group()));
   }
   auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, mesh.replicate_group(), std::move(options));

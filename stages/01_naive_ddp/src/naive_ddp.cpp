@@ -1,9 +1,9 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
-#include "shardlab/common/errors.h"
-#include "shardlab/common/grad_clip.h"
-#include "shardlab/common/model_check.h"
-#include "shardlab/common/training_state.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/model/grad_clip.h"
+#include "shardlab/core/model/model_check.h"
+#include "shardlab/core/checkpoint/training_state.h"
 
 #include <stdexcept>
 
@@ -76,9 +76,5 @@ void NaiveDDP::finish_sync() {
   wait_pending();
   comm_.recorder().record_wait("ddp sync", start, now_ns());  // exposed communication, for traces and benchmarks
 }
-
-NoSync::NoSync(bool& sync_enabled) : sync_enabled_(sync_enabled), previous_(sync_enabled) { sync_enabled_ = false; }
-
-NoSync::~NoSync() { sync_enabled_ = previous_; }
 
 }  // namespace shardlab::naive_ddp

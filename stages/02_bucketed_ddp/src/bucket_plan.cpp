@@ -1,6 +1,6 @@
 #include "shardlab/bucketed_ddp/bucket_plan.h"
 
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <algorithm>
 #include <map>

@@ -1,6 +1,6 @@
 #include "shardlab/bucketed_ddp/order_agreement.h"
 
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <ATen/ATen.h>
 

@@ -1,6 +1,6 @@
 #include "shardlab/comm_hooks/comm_hook.h"
 
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <ATen/ATen.h>
 

@@ -4,9 +4,9 @@
 // below.
 #include "shardlab/fsdp/fsdp.h"
 
-#include "shardlab/common/model_check.h"
-#include "shardlab/common/progress.h"
-#include "shardlab/common/text_gather.h"
+#include "shardlab/core/model/model_check.h"
+#include "shardlab/core/comm/progress.h"
+#include "shardlab/core/comm/text_gather.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>

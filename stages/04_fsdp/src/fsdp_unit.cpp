@@ -1,8 +1,8 @@
 #include "shardlab/fsdp/fsdp_unit.h"
 
-#include "shardlab/common/comm_record.h"
-#include "shardlab/common/errors.h"
-#include "shardlab/common/flat_storage.h"
+#include "shardlab/core/comm/comm_record.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/storage/flat_storage.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>

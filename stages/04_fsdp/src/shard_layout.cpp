@@ -1,6 +1,6 @@
 #include "shardlab/fsdp/shard_layout.h"
 
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <c10/util/Exception.h>
 

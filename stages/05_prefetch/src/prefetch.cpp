@@ -1,6 +1,6 @@
 #include "shardlab/prefetch/prefetch.h"
 
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <algorithm>
 #include <string>

@@ -1,6 +1,6 @@
 #include "shardlab/hsdp/hsdp.h"
 
-#include "shardlab/common/errors.h"
+#include "shardlab/core/errors.h"
 
 #include <stdexcept>
 #include <utility>

@@ -24,11 +24,11 @@
 #include "shardlab/bucketed_ddp/bucket_plan.h"
 #include "shardlab/bucketed_ddp/bucket_reducer.h"
 #include "shardlab/bucketed_ddp/cap_tuning.h"
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/grad_ready.h"
-#include "shardlab/common/model.h"
-#include "shardlab/naive_ddp/no_sync.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/model/grad_ready.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/model/no_sync.h"
 
 #include <functional>
 #include <map>
@@ -92,7 +92,7 @@ class BucketedDDP {
 
   /// Skips communication for backward passes run while the returned scope lives (gradient accumulation); the
   /// first backward after it averages the accumulated gradients.
-  [[nodiscard]] naive_ddp::NoSync no_sync() { return naive_ddp::NoSync(sync_enabled_); }
+  [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
   /// Clips the gradients by their global p-norm, as NaiveDDP::clip_grad_norm: call it between

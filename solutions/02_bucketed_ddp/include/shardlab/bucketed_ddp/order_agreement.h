@@ -6,7 +6,7 @@
 /// differ between ranks. Buckets must be identical on every rank (collectives are matched by order and size), so
 /// one rank decides: rank 0's order wins, as in PyTorch DDP's bucket rebuild.
 
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <c10/core/Device.h>
 

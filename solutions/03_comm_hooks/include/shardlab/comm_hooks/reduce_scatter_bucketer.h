@@ -19,7 +19,7 @@
 /// References: fairscale's ReduceScatterBucketer (fairscale/internal/reduce_scatter_bucketer.py), which is
 /// synchronous; here every launch is asynchronous and callbacks run in flush().
 
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 

@@ -5,8 +5,8 @@
 /// A header of its own (defined in naive_ddp.cpp, task 1) so that later stages include it without naive_ddp.h,
 /// whose private state is the student's (see Note [A starter's headers] in cmake/ShardLabStage.cmake).
 
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/model.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/model/model.h"
 
 namespace shardlab::naive_ddp {
 

@@ -17,12 +17,12 @@
 /// References: picotron DataParallelNaive (and its issue #39: the hook must see the accumulated gradient, and
 /// must all-reduce the gradient, not the parameter); PyTorch DDP `no_sync`.
 
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/grad_ready.h"
-#include "shardlab/common/model.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/model/grad_ready.h"
+#include "shardlab/core/model/model.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
-#include "shardlab/naive_ddp/no_sync.h"
+#include "shardlab/core/model/no_sync.h"
 
 #include <map>
 #include <memory>

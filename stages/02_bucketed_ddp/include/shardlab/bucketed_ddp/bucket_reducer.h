@@ -6,7 +6,7 @@
 /// A header of its own (defined in bucketed_ddp.cpp) so that stage 03 includes it without bucketed_ddp.h, whose
 /// private state is the student's (see Note [A starter's headers] in cmake/ShardLabStage.cmake).
 
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 

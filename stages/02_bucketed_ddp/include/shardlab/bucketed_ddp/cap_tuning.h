@@ -20,7 +20,7 @@
 /// measured exposed time in `shardlab train --bucket-cap-kb auto`, which prints both.
 
 #include "shardlab/bucketed_ddp/bucket_plan.h"
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 

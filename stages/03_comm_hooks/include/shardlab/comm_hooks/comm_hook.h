@@ -23,7 +23,7 @@
 /// `register_comm_hook` and its fp16 compression hook.
 
 #include "shardlab/bucketed_ddp/bucket_reducer.h"
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 

@@ -18,7 +18,7 @@
 /// apply_optimizer_in_backward.py), in the seed's 003 task.
 
 #include "shardlab/bucketed_ddp/bucket_reducer.h"
-#include "shardlab/common/comm_record.h"
+#include "shardlab/core/comm/comm_record.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>

@@ -27,15 +27,15 @@
 /// FSDP homework (unshard / wait_for_unshard / reshard, pre/post forward and backward hooks), ZeRO (Rajbhandari et
 /// al., 2019), FSDP (Zhao et al., VLDB 2023).
 
-#include "shardlab/common/checkpoint.h"
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/grad_ready.h"
-#include "shardlab/common/model.h"
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/model/grad_ready.h"
+#include "shardlab/core/model/model.h"
 #include "shardlab/fsdp/fsdp_unit.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
 #include "shardlab/fsdp/reducer.h"
-#include "shardlab/naive_ddp/no_sync.h"
+#include "shardlab/core/model/no_sync.h"
 
 #include <c10/core/Device.h>
 
@@ -228,7 +228,7 @@ class FullyShardedModel {
 
   /// Skips the reduce-scatters for backward passes run while the returned scope lives (gradient accumulation):
   /// unsharded gradients accumulate (in the reduce dtype) and the first backward after the scope reduces them.
-  [[nodiscard]] naive_ddp::NoSync no_sync() { return naive_ddp::NoSync(sync_enabled_); }
+  [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
   /// Clips the sharded gradients by the global p-norm of the whole model's gradient, as PyTorch's clip_grad_norm_

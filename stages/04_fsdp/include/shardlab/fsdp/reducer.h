@@ -11,7 +11,7 @@
 ///    trains the model* (the shard group in stage 04; replicas × shard group under HSDP).
 
 #include "shardlab/comm_hooks/comm_hook.h"
-#include "shardlab/common/communicator.h"
+#include "shardlab/core/comm/communicator.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>

@@ -9,8 +9,8 @@
 /// all-reduce (of the shard's Σ padded numel) in the replicate group. Every rank trains exactly like one device on
 /// the union of all N ranks' batches, and the R ranks of a column hold bit-identical shards after every step.
 
-#include "shardlab/common/model.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/comm/world.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
 

@@ -14,8 +14,9 @@
 /// References: PyTorch FSDP2's HSDP (`fully_shard` on a 2-D DeviceMesh: foreach_reduce's reduce-scatter, then the
 /// all-reduce on the replicate group); the seed's HSDP gradient pre-divide (`../shared/seeds/003_*`).
 
-#include "shardlab/common/communicator.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/comm/wire.h"
+#include "shardlab/core/comm/world.h"
 #include "shardlab/fsdp/reducer.h"
 
 #include <ATen/core/Tensor.h>
@@ -24,17 +25,6 @@
 #include <string>
 
 namespace shardlab::hsdp {
-
-/// The dtype a reduction communicates in.
-enum class Wire {
-  kReduceDtype,  ///< the gradients' reduce dtype, as they come (FSDP's MixedPrecision::reduce_dtype)
-  kFloat16,      ///< a half-size copy in fp16 on both phases (stage 03's fp16 hook, on two groups)
-  kBFloat16,     ///< a half-size copy in bf16 on both phases (Gloo 1.13 carries it as f32: Note [Fallbacks])
-};
-
-/// "reduce_scatter" -> kReduceDtype, "fp16", "bf16" (the names of stage 03's reduce-scatter hooks).
-/// @throws std::invalid_argument naming the accepted names.
-Wire parse_wire(const std::string& name);
 
 /// One unit's HSDP reduction: a reduce-scatter in `shard` and then an all-reduce in `replicate`, chained with
 /// Handle::then_issue, so that FSDP's advance() before the next unit's reduce-scatter issues this unit's all-reduce

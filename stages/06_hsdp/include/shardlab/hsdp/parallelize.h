@@ -17,11 +17,11 @@
 /// @endcode
 
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
-#include "shardlab/common/model.h"
-#include "shardlab/common/world.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/comm/world.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
-#include "shardlab/naive_ddp/no_sync.h"
+#include "shardlab/core/model/no_sync.h"
 #include "shardlab/prefetch/prefetch_policy.h"
 
 #include <map>
@@ -41,7 +41,7 @@ struct ReshardPolicy {
 struct ReductionPolicy {
   /// The dtype on the wire: the reduce dtype, or fp16/bf16 compression (both groups under HSDP; stage 03's hook of
   /// that name under DDP).
-  hsdp::Wire wire = hsdp::Wire::kReduceDtype;
+  Wire wire = Wire::kReduceDtype;
   /// False: a trainable parameter without a gradient in a step is an error (as FSDP's and DDP's default).
   bool allow_unused_parameters = false;
 };
@@ -78,7 +78,7 @@ class DataParallel {
   at::Tensor loss(const Batch& batch);
   /// Gradient accumulation: backward passes inside the scope keep their gradients local; the first one after it
   /// reduces them all.
-  [[nodiscard]] naive_ddp::NoSync no_sync();
+  [[nodiscard]] NoSync no_sync();
   /// What the optimizer steps: the replica's trainable parameters (DDP), or this rank's shards (FSDP, HSDP).
   std::vector<at::Tensor> parameters();
   /// Every parameter of the model as one device holds it, registration order. A collective (FSDP and HSDP gather):

@@ -1,0 +1,5 @@
+#pragma once
+// Deprecated path (shardlab 0.1): this header is <shardlab/core/checkpoint/checkpoint.h> since 0.2. This forwarder goes
+// in 0.3.
+#warning "<shardlab/common/checkpoint.h> is deprecated: include <shardlab/core/checkpoint/checkpoint.h>"
+#include <shardlab/core/checkpoint/checkpoint.h>

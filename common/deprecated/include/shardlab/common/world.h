@@ -1,0 +1,4 @@
+#pragma once
+// Deprecated path (shardlab 0.1): this header is <shardlab/core/comm/world.h> since 0.2. This forwarder goes in 0.3.
+#warning "<shardlab/common/world.h> is deprecated: include <shardlab/core/comm/world.h>"
+#include <shardlab/core/comm/world.h>
