@@ -81,10 +81,6 @@ TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
         } catch (const std::invalid_argument& e) {
           EXPECT_NE(std::string(e.what()).find("Options::reducer"), std::string::npos) << e.what();
         }
-        fsdp::Options group;
-        group.broadcast_group = &mesh.shard_group();
-        EXPECT_THROW(fully_shard_hybrid(make_model(c, at::kCPU), mesh, group), std::invalid_argument)
-            << "a broadcast group set by the caller was accepted";
         // A model FSDP rejects (a unit of mixed dtypes) is left as it was on every rank: nothing was broadcast.
         auto rejected = make_model(c, at::kCPU);
         {
@@ -533,14 +529,13 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
         std::vector<bool> waited;
         std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> inputs;
         fsdp::Options options;
-        options.broadcast_group = &world.world();  // as fully_shard_hybrid does
-        const fsdp::ReducerFactory hsdp = hsdp_reducers(mesh);
+        const fsdp::ReducerFactory hsdp = hsdp_reducers();
         const std::string column = mesh.replicate_group().name();
         options.reducer = [&](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
           return std::make_shared<Watching>(hsdp(request), world, column, &seen, &waited, &inputs);
         };
         auto model = make_model(c, at::kCPU);
-        FullyShardedModel fsdp(model, mesh.shard_group(), options);
+        FullyShardedModel fsdp(model, mesh_info(mesh), options);  // as fully_shard_hybrid does
         auto data = make_dataset(c.model, c.seed);
         fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), world.rank(), world.size())).backward();
         std::vector<std::string> expected;

@@ -532,25 +532,6 @@ std::unique_ptr<StepRunner> fsdp_runner(const TrainConfig& c, const StrategyOpti
   return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper));
 }
 
-// HSDP's checkpoints: the first replica's ranks write their rows, the whole world agrees (DataParallel's way).
-class HsdpRunner : public WrappedRunner<fsdp::FullyShardedModel> {
- public:
-  HsdpRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<fsdp::FullyShardedModel> wrapper,
-             std::shared_ptr<Mesh> mesh, MicroBatchHook accumulation)
-      : WrappedRunner(c, std::move(model), std::move(wrapper), nullptr, mesh, std::move(accumulation)), mesh_(*mesh) {}
-  void save(const std::string& dir, const std::map<std::string, std::string>& metadata) override {
-    save_training_checkpoint(dir, wrapper().checkpoint_state(mesh_.replica_index() == 0), optimizer(),
-                             mesh_.world().world(), metadata);
-  }
-  std::map<std::string, std::string> load(const std::string& path) override {
-    return load_training_checkpoint(path, wrapper().checkpoint_state(), optimizer(), mesh_.world().world(),
-                                    /*optimizer_if_saved=*/true);
-  }
-
- private:
-  Mesh& mesh_;  // owned by the base's keep_
-};
-
 // Stage 06: HSDP on the mesh of mesh_shape(), with stage 05's prefetch inside each replica. Micro-batches before
 // the last run under no_sync, or with the all-reduce deferred (--defer-all-reduce true).
 std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
@@ -565,7 +546,8 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
     fsdp::FullyShardedModel* w = wrapper.get();
     accumulation = [w](bool last) { hsdp::set_requires_all_reduce(*w, last); };
   }
-  return std::make_unique<HsdpRunner>(c, model, std::move(wrapper), std::move(mesh), std::move(accumulation));
+  return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper), nullptr,
+                                                                   std::move(mesh), std::move(accumulation));
 }
 
 }  // namespace
