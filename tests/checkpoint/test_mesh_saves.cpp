@@ -23,8 +23,8 @@
 namespace shardlab {
 namespace {
 
-using test_support::test_group;
 using test_support::TempDir;
+using test_support::test_group;
 
 // (replicas, shards) of a 4-rank mesh whose parallelize gives a sharded wrapper.
 class MeshSave : public ::testing::TestWithParam<std::pair<int, int>> {};
@@ -45,7 +45,7 @@ TEST_P(MeshSave, TheShardedWrapperSavesOneReplicaAndNaiveDdpLoadsItBitForBit) {
         auto dp = parallelize(make_model(c.model, c.seed), mesh);
         ASSERT_NE(dp->sharded(), nullptr) << shape << " gives a sharded wrapper";
         EXPECT_EQ(dp->sharded()->mesh_info().replicas(), replicas);
-        EXPECT_EQ(dp->sharded()->mesh_info().replica, mesh.replica_index());
+        EXPECT_EQ(dp->sharded()->mesh_info().replica(), mesh.replica_index());
         auto opt = make_optimizer("adamw", dp->parameters(), 0.01);
         auto data = make_dataset(c.model, c.seed);
         compat::zero_grad(*opt);

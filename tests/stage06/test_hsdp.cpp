@@ -53,8 +53,9 @@ std::vector<at::Tensor> shards(const FullyShardedModel& fsdp) {
 
 // Every replica starts from global rank 0's values, not only every rank of a row: each rank perturbs its model by its
 // rank before wrapping, and afterwards every rank's full parameters are rank 0's originals. A wrapper that broadcasts
-// only within the shard group leaves replica 1 on rank 2's values. A reducer or broadcast group set by the caller is
-// refused, and a model FSDP rejects keeps each rank's own values (no broadcast before FSDP's checks).
+// only within the shard group leaves replica 1 on rank 2's values. The wrapper's mesh is the whole mesh, its replica
+// this rank's row. A reducer set by the caller is refused, and a model FSDP rejects keeps each rank's own values (no
+// broadcast before FSDP's checks).
 TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
   TrainConfig c;
   c.model = "mlp";
@@ -69,6 +70,9 @@ TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
           for (auto& p : model->parameters()) p.add_(static_cast<double>(world.rank()));
         }
         auto fsdp = fully_shard_hybrid(model, mesh);
+        EXPECT_EQ(&fsdp->mesh_info().everyone(), &world.world()) << "rank " << world.rank() << ": the whole mesh";
+        EXPECT_EQ(fsdp->mesh_info().replica(), mesh.replica_index()) << "rank " << world.rank();
+        EXPECT_EQ(fsdp->mesh_info().shard, &mesh.shard_group()) << "rank " << world.rank() << ": sharded over the row";
         const std::vector<at::Tensor> full = on_cpu(fsdp->full_parameters());
         EXPECT_EQ(max_abs_diff(full, originals), 0)
             << "rank " << world.rank() << " (replica " << mesh.replica_index() << ") starts "

@@ -230,7 +230,6 @@ class WrappedRunner : public StepRunner {
 
  protected:
   Wrapper& wrapper() { return *wrapper_; }
-  torch::optim::Optimizer* optimizer() { return optimizer_.get(); }
 
  private:
   std::shared_ptr<void> keep_;  // first: destroyed after the wrapper
@@ -547,7 +546,7 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
     accumulation = [w](bool last) { hsdp::set_requires_all_reduce(*w, last); };
   }
   return std::make_unique<WrappedRunner<fsdp::FullyShardedModel>>(c, model, std::move(wrapper), nullptr,
-                                                                   std::move(mesh), std::move(accumulation));
+                                                                  std::move(mesh), std::move(accumulation));
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 
 namespace shardlab::fsdp {
 
-MeshInfo MeshInfo::fsdp(Communicator& shard) { return MeshInfo{&shard, nullptr, nullptr, 0}; }
+MeshInfo MeshInfo::fsdp(Communicator& shard) { return MeshInfo{&shard, nullptr, nullptr}; }
 
 void MeshInfo::check(const char* who) const {
   const std::string w = who;
@@ -17,9 +17,6 @@ void MeshInfo::check(const char* who) const {
     throw std::invalid_argument(w + ": expected the mesh group to hold R x S = " + std::to_string(replicate->size()) +
                                 " x " + std::to_string(shard->size()) + " ranks; it holds " +
                                 std::to_string(mesh->size()));
-  if (replica < 0 || replica >= replicas())
-    throw std::invalid_argument(w + ": expected a replica index in [0, " + std::to_string(replicas()) + "); got " +
-                                std::to_string(replica));
 }
 
 }  // namespace shardlab::fsdp

@@ -1,9 +1,9 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 
+#include "shardlab/core/checkpoint/training_state.h"
 #include "shardlab/core/errors.h"
 #include "shardlab/core/model/grad_clip.h"
 #include "shardlab/core/model/model_check.h"
-#include "shardlab/core/checkpoint/training_state.h"
 
 #include <stdexcept>
 

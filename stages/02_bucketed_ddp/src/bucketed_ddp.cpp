@@ -1,11 +1,11 @@
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 
 #include "shardlab/bucketed_ddp/order_agreement.h"
+#include "shardlab/core/checkpoint/training_state.h"
 #include "shardlab/core/errors.h"
-#include "shardlab/core/storage/flat_storage.h"
 #include "shardlab/core/model/grad_clip.h"
 #include "shardlab/core/model/model_check.h"
-#include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/storage/flat_storage.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>

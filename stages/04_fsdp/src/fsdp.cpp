@@ -1,8 +1,8 @@
 #include "shardlab/fsdp/fsdp.h"
 
+#include "shardlab/core/comm/progress.h"
 #include "shardlab/core/errors.h"
 #include "shardlab/core/model/grad_clip.h"
-#include "shardlab/core/comm/progress.h"
 
 #include <ATen/core/grad_mode.h>
 
@@ -155,11 +155,11 @@ double FullyShardedModel::clip_grad_norm(double max_norm, double p) {
         "FullyShardedModel::clip_grad_norm: called inside no_sync, where the gradients are unsharded and "
         "unreduced; clip after the synchronized backward that ends the accumulation");
   for (const auto& unit : units_)
-    if (unit->reducer().held_bytes() > 0)
-      throw std::logic_error("FullyShardedModel::clip_grad_norm: unit '" + unit->name() +
-                             "' holds a partial "
-                             "reduction (HSDP's all-reduce deferred: each replica's shards hold its own sum); clip "
-                             "after the backward that runs the all-reduce");
+    if (unit->reducer().deferred())
+      throw std::logic_error("FullyShardedModel::clip_grad_norm: unit '" + unit->name() + "' reduces with '" +
+                             unit->reducer().name() +
+                             "', which has deferred its second phase (each replica's shards hold its own sum); clip "
+                             "after the backward that completes the reduction");
   return shardlab::clip_grad_norm(parameters(), max_norm, p, &comm_);
 }
 

@@ -4,9 +4,9 @@
 // below.
 #include "shardlab/fsdp/fsdp.h"
 
-#include "shardlab/core/model/model_check.h"
 #include "shardlab/core/comm/progress.h"
 #include "shardlab/core/comm/text_gather.h"
+#include "shardlab/core/model/model_check.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <ATen/ATen.h>
@@ -56,6 +56,12 @@ std::vector<std::pair<std::string, at::Tensor>> unit_parameters(const Unit& unit
   return out;
 }
 
+// The mesh, once MeshInfo::check passed (before any member refers to its groups).
+const MeshInfo& checked(const MeshInfo& mesh) {
+  mesh.check("FullyShardedModel");
+  return mesh;
+}
+
 [[noreturn]] void no_parameters(const std::string& unit) {
   throw std::invalid_argument("FullyShardedModel: unit '" + unit +
                               "' has no parameters; register it with register_module instead");
@@ -63,17 +69,13 @@ std::vector<std::pair<std::string, at::Tensor>> unit_parameters(const Unit& unit
 
 }  // namespace
 
-Communicator& FullyShardedModel::agreement_group() {
-  return options_.broadcast_group != nullptr ? *options_.broadcast_group : comm_;
-}
-
 void FullyShardedModel::prepare_options() {
   if (!options_.reducer) options_.reducer = hook_reducers("reduce_scatter");
   if (options_.pool_buffers) pool_ = std::make_unique<BufferPool>();  // CPU buffers only; CUDA has its own cache
 }
 
 std::shared_ptr<GradientReducer> FullyShardedModel::make_reducer(const std::string& unit, size_t index) {
-  auto reducer = options_.reducer(ReducerRequest{unit, index, &comm_});
+  auto reducer = options_.reducer(ReducerRequest{unit, index, &comm_, mesh_});
   if (!reducer)
     throw std::invalid_argument("FullyShardedModel: Options::reducer gave no reducer for unit '" + unit +
                                 "'; expected one per unit");
@@ -138,11 +140,18 @@ std::vector<std::vector<std::pair<std::string, at::Tensor>>> FullyShardedModel::
 }
 
 FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options)
-    : model_(std::move(model)), comm_(comm), options_(std::move(options)) {
+    : FullyShardedModel(std::move(model), MeshInfo::fsdp(comm), std::move(options)) {}
+
+FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& comm, Options options,
+                                     const c10::Device& device)
+    : FullyShardedModel(build, MeshInfo::fsdp(comm), std::move(options), device) {}
+
+FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, const MeshInfo& mesh, Options options)
+    : model_(std::move(model)), mesh_(checked(mesh)), comm_(*mesh_.shard), options_(std::move(options)) {
   if (!model_) throw std::invalid_argument("FullyShardedModel: expected a model; got a null pointer");
-  // First, over the group that broadcasts (HSDP: the world): the checks below depend on the model, and a rank must
-  // not fail one alone while the others wait. Note [Comparing the ranks' models].
-  check_same_model(*model_, agreement_group(), "FullyShardedModel");
+  // First, over every rank of the mesh (the group that broadcasts): the checks below depend on the model, and a rank
+  // must not fail one alone while the others wait. Note [Comparing the ranks' models].
+  check_same_model(*model_, mesh_.everyone(), "FullyShardedModel");
   prepare_options();
   auto groups = assign_parameters();
   // Check every unit before changing any: a failure must leave the model as it was.
@@ -157,16 +166,16 @@ FullyShardedModel::FullyShardedModel(std::shared_ptr<Model> model, Communicator&
   std::vector<std::shared_ptr<GradientReducer>> reducers;
   for (size_t u = 0; u < count; ++u) reducers.push_back(make_reducer(unit_name(u), u));
   // Only now, every check passed on every rank (they see the same structure), do the replicas take rank 0's values.
-  naive_ddp::broadcast_state(*model_, agreement_group(), naive_ddp::StructureCheck::kAlreadyCompared);
+  naive_ddp::broadcast_state(*model_, mesh_.everyone(), naive_ddp::StructureCheck::kAlreadyCompared);
   for (size_t u = 0; u < count; ++u) units_.push_back(make_unit(unit_name(u), groups[u], std::move(reducers[u])));
   finish_construction();
 }
 
-FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& comm, Options options,
+FullyShardedModel::FullyShardedModel(const ModelBuilder& build, const MeshInfo& mesh, Options options,
                                      const c10::Device& device)
-    : comm_(comm), options_(std::move(options)) {
+    : mesh_(checked(mesh)), comm_(*mesh_.shard), options_(std::move(options)) {
   // Note [Sharded construction]: every rank hears of a build that failed anywhere before the structure check.
-  run_agreed(agreement_group(), "FullyShardedModel: building the model", [&] {
+  run_agreed(mesh_.everyone(), "FullyShardedModel: building the model", [&] {
     if (!build) throw std::invalid_argument("FullyShardedModel: expected a model builder; got an empty function");
     prepare_options();
     std::map<const c10::TensorImpl*, std::pair<std::string, std::string>> sharded;  // -> (unit, name in it)
@@ -198,7 +207,7 @@ FullyShardedModel::FullyShardedModel(const ModelBuilder& build, Communicator& co
       for (const auto& b : model_->buffers(/*recurse=*/true)) b.set_data(b.to(device));
     }
   });
-  check_same_model(*model_, agreement_group(), "FullyShardedModel");
+  check_same_model(*model_, mesh_.everyone(), "FullyShardedModel");
   auto groups = assign_parameters();
   const size_t root = model_->units().size();
   for (size_t u = 0; u < root; ++u) {  // what the build sharded is what the finished model assigns

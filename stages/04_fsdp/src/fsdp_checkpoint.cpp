@@ -1,6 +1,6 @@
 // FullyShardedModel's checkpoints: its state as rows of the full parameters (checkpoint.h, training_state.h).
-#include "shardlab/core/errors.h"
 #include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/errors.h"
 #include "shardlab/fsdp/fsdp.h"
 
 #include <set>
@@ -18,11 +18,12 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedModel::full_state_di
   return out;
 }
 
-ShardedState FullyShardedModel::checkpoint_state(bool saves) {
+ShardedState FullyShardedModel::checkpoint_state() {
   check_usable("checkpoint_state");
   reshard_all();
   ShardedState state;
   const int rank = comm_.rank();
+  const bool saves = mesh_.saves();  // the first replica's ranks: the other replicas hold the same rows
   // A tensor registered twice (tied) is saved once, under its first name; its other names are aliases.
   std::set<std::pair<size_t, size_t>> taken;
   size_t i = 0;
@@ -36,25 +37,21 @@ ShardedState FullyShardedModel::checkpoint_state(bool saves) {
   }
   SHARDLAB_INTERNAL_ASSERT(i == order_.size(), "order_ lists the registrations as named_parameters does");
   for (auto& [name, b] : named_state(*model_, StateParts::kBuffers, /*once=*/true))
-    state.tensors.push_back({name, b, b.sizes().vec(), 0, saves && rank == 0});
+    state.tensors.push_back({name, b, b.sizes().vec(), 0, mesh_.everyone().rank() == 0});
   for (auto& [alias, name] : tied_names(*model_, StateParts::kBuffers)) state.aliases.emplace(alias, name);
   return state;
 }
 
 void FullyShardedModel::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
                                         const std::map<std::string, std::string>& metadata) {
-  if (options_.broadcast_group != nullptr && options_.broadcast_group != &comm_)
-    throw std::logic_error(
-        "FullyShardedModel::save_checkpoint: this wrapper is one replica of HSDP (its broadcast group is not its "
-        "shard group); every replica would write the same rows: save through DataParallel::save_checkpoint");
-  save_training_checkpoint(dir, checkpoint_state(), optimizer, comm_, metadata);
+  save_training_checkpoint(dir, checkpoint_state(), optimizer, mesh_.everyone(), metadata);
 }
 
 std::map<std::string, std::string> FullyShardedModel::load_checkpoint(const std::string& path,
                                                                       torch::optim::Optimizer* optimizer,
                                                                       bool optimizer_if_saved,
                                                                       const SavedNames& names) {
-  return load_training_checkpoint(path, checkpoint_state(), optimizer, comm_, optimizer_if_saved, names);
+  return load_training_checkpoint(path, checkpoint_state(), optimizer, mesh_.everyone(), optimizer_if_saved, names);
 }
 
 }  // namespace shardlab::fsdp

@@ -10,34 +10,35 @@ namespace shardlab::hsdp {
 
 namespace {
 
-// The options of FSDP in one row of the mesh that make it HSDP. @throws as fully_shard_hybrid for options HSDP sets.
-fsdp::Options hybrid_options(Mesh& mesh, fsdp::Options options, Wire wire) {
-  if (options.broadcast_group != nullptr)
-    throw std::invalid_argument(
-        "fully_shard_hybrid: expected Options::broadcast_group empty (HSDP broadcasts over the whole world); got one "
-        "set");
+// The options of FSDP on the mesh that make it HSDP. @throws as fully_shard_hybrid for options HSDP sets.
+fsdp::Options hybrid_options(fsdp::Options options, Wire wire) {
   if (options.reducer)
     throw std::invalid_argument(
         "fully_shard_hybrid: expected Options::reducer empty (HSDP reduces with its own HsdpReducer); got one set. "
         "Choose the wire with the `wire` argument");
-  // TODO(stage06): every replica from global rank 0's values, then FSDP in the row with HSDP's reducers
-  throw ::shardlab::NotImplemented("06", "every replica from global rank 0's values, then FSDP in the row with HSDP's reducers");
+  options.reducer = hsdp_reducers(wire);
+  return options;
 }
 
 }  // namespace
 
+fsdp::MeshInfo mesh_info(Mesh& mesh) {
+  // TODO(stage06): sharded over the row, replicated over the column, every rank of the world agreeing
+  throw ::shardlab::NotImplemented("06", "sharded over the row, replicated over the column, every rank of the world agreeing");
+}
+
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
                                                             fsdp::Options options, Wire wire) {
   if (!model) throw std::invalid_argument("fully_shard_hybrid: expected a model; got a null pointer");
-  return std::make_unique<fsdp::FullyShardedModel>(std::move(model), mesh.shard_group(),
-                                                   hybrid_options(mesh, std::move(options), wire));
+  return std::make_unique<fsdp::FullyShardedModel>(std::move(model), mesh_info(mesh),
+                                                   hybrid_options(std::move(options), wire));
 }
 
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& build, Mesh& mesh,
                                                             fsdp::Options options, Wire wire,
                                                             const c10::Device& device) {
-  return std::make_unique<fsdp::FullyShardedModel>(build, mesh.shard_group(),
-                                                   hybrid_options(mesh, std::move(options), wire), device);
+  return std::make_unique<fsdp::FullyShardedModel>(build, mesh_info(mesh), hybrid_options(std::move(options), wire),
+                                                   device);
 }
 
 void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce) {

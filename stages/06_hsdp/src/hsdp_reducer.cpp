@@ -88,13 +88,13 @@ int64_t HsdpReducer::partial_bytes() const {
   return partial_.defined() ? static_cast<int64_t>(partial_.numel() * partial_.element_size()) : 0;
 }
 
-fsdp::ReducerFactory hsdp_reducers(Mesh& mesh, Wire wire) {
-  return [&mesh, wire](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
-    if (request.shard_group != &mesh.shard_group())
+fsdp::ReducerFactory hsdp_reducers(Wire wire) {
+  return [wire](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
+    if (request.mesh.replicate == nullptr)
       throw std::invalid_argument("hsdp_reducers: unit '" + request.unit +
-                                  "' is sharded over a group other than the mesh's shard group '" +
-                                  mesh.shard_group().name() + "'; build FullyShardedModel on mesh.shard_group()");
-    return std::make_shared<HsdpReducer>(mesh.shard_group(), mesh.replicate_group(), wire);
+                                  "' is on a mesh without a replicate group (FSDP on one group); build "
+                                  "FullyShardedModel on hsdp::mesh_info(mesh)");
+    return std::make_shared<HsdpReducer>(*request.mesh.shard, *request.mesh.replicate, wire);
   };
 }
 

@@ -52,17 +52,14 @@ double DataParallel::clip_grad_norm(double max_norm, double p) {
 void DataParallel::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
                                    const std::map<std::string, std::string>& metadata) {
   if (kind_ == Kind::kDdp) return ddp_->save_checkpoint(dir, optimizer, metadata);
-  // FSDP and HSDP: the first replica's ranks write their rows; the whole world agrees on the outcome.
-  save_training_checkpoint(dir, sharded_->checkpoint_state(mesh_.replica_index() == 0), optimizer,
-                           mesh_.world().world(), metadata);
+  sharded_->save_checkpoint(dir, optimizer, metadata);  // the first replica's ranks write; the whole mesh agrees
 }
 
 std::map<std::string, std::string> DataParallel::load_checkpoint(const std::string& path,
                                                                  torch::optim::Optimizer* optimizer,
                                                                  bool optimizer_if_saved, const SavedNames& names) {
   if (kind_ == Kind::kDdp) return ddp_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
-  return load_training_checkpoint(path, sharded_->checkpoint_state(), optimizer, mesh_.world().world(),
-                                  optimizer_if_saved, names);
+  return sharded_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> DataParallel::full_state_dict() {

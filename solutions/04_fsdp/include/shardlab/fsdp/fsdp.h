@@ -141,12 +141,11 @@ struct MemoryTheory {
 /// Contract:
 ///  - Construct on every rank with a model of the same structure. Construction broadcasts every parameter and
 ///    buffer from rank 0 of the mesh (MeshInfo::everyone(): the shard group, or under HSDP every replica too; a
-///    collective, after every check), then keeps this rank's shard of each parameter. Or construct from a ModelBuilder (sharded construction,
-///    for a model larger than one rank): each unit is sharded as the model registers it, and nothing is
-///    broadcast. From then on the
-///    model's registered parameters are *gathered* tensors that hold values only while their unit runs: the
-///    optimizer must be built on `parameters()` (the sharded ones), and the full values are read with
-///    `full_parameters()`. Buffers are replicated, not sharded.
+///    collective, after every check), then keeps this rank's shard of each parameter. Or construct from a ModelBuilder
+///    (sharded construction, for a model larger than one rank): each unit is sharded as the model registers it, and
+///    nothing is broadcast. From then on the model's registered parameters are *gathered* tensors that hold values only
+///    while their unit runs: the optimizer must be built on `parameters()` (the sharded ones), and the full values are
+///    read with `full_parameters()`. Buffers are replicated, not sharded.
 ///  - Call `loss(batch)` for the forward, then `.backward()` on it (or on a tensor computed from it), on every
 ///    rank, the same way: every unit is a collective. Every rank must run the same units in the same order, and
 ///    leave the same trainable parameters without gradient (Note [A parameter unused on some ranks] in fsdp.cpp:

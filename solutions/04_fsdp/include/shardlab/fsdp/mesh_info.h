@@ -18,19 +18,23 @@ struct MeshInfo {
   Communicator* shard = nullptr;      ///< the S ranks the parameters are sharded over (required)
   Communicator* replicate = nullptr;  ///< HSDP: the R ranks that hold this rank's shard; null: one replica (FSDP)
   Communicator* mesh = nullptr;       ///< HSDP: every rank of the R x S mesh; null: the shard group is the mesh
-  int replica = 0;                    ///< this rank's replica, in [0, R): its row of the mesh
 
   /// FSDP on one group: one replica, sharded over `shard`. (Stage 06 describes HSDP's mesh: hsdp::mesh_info.)
   static MeshInfo fsdp(Communicator& shard);
 
   /// R: the number of replicas (1 without a replicate group).
   int replicas() const { return replicate != nullptr ? replicate->size() : 1; }
+  /// This rank's replica, in [0, R): its rank in the replicate group (whose ranks are ordered by replica, as a
+  /// Mesh's columns are), 0 without one. Derived, so that no rank can hold an index the others disagree with.
+  int replica() const { return replicate != nullptr ? replicate->rank() : 0; }
   /// Every rank of the mesh: `mesh`, or the shard group when there is one replica.
   Communicator& everyone() const { return mesh != nullptr ? *mesh : *shard; }
   /// True on the ranks whose rows a checkpoint keeps: the first replica's.
-  bool saves() const { return replica == 0; }
+  bool saves() const { return replica() == 0; }
+  /// Checks what every rank sees alike (the groups' sizes), so that a malformed description fails on every rank
+  /// before any collective.
   /// @throws std::invalid_argument naming `who` and what is wrong: no shard group; a replicate group without the
-  ///         mesh group or the other way round; a mesh group whose size is not R · S; a replica out of [0, R).
+  ///         mesh group or the other way round; a mesh group whose size is not R · S.
   void check(const char* who) const;
 };
 

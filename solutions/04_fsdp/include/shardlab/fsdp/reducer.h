@@ -90,7 +90,8 @@ std::shared_ptr<GradientReducer> hook_reducer(comm_hooks::CommHook hook);
 
 /// A factory that gives every unit stage 03's hook `name` on the unit's shard group: "reduce_scatter" (the average
 /// in the reduce dtype; FSDP's default), "fp16" or "bf16" (compressed on the wire).
-/// @throws std::invalid_argument naming the accepted names, for a name that cannot reduce-scatter ("allreduce").
+/// @throws std::invalid_argument naming the accepted names, for a name that cannot reduce-scatter ("allreduce");
+///         and (from a request) for a mesh of more than one replica, which needs a second phase across them.
 ReducerFactory hook_reducers(const std::string& name);
 
 }  // namespace shardlab::fsdp

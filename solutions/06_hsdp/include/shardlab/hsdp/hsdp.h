@@ -22,8 +22,8 @@ namespace shardlab::hsdp {
 /// (`mesh.shard_group()`), replicated over its column (`mesh.replicate_group()`), this rank's replica its row, and
 /// the whole mesh the world group of `mesh.world()`: so that construction compares and broadcasts over every rank,
 /// the first replica's ranks save, and HsdpReducer finds its second group. A mesh of one replica (1 x S) gives
-/// FSDP on the row, with a replicate group of one rank. Not a collective (the mesh made the groups; the world
-/// group is made by its first use, on every rank alike).
+/// FSDP on the row, with a replicate group of one rank. A collective only the first time the world group is used
+/// (World::world() makes it: every rank of the world calls alike).
 fsdp::MeshInfo mesh_info(Mesh& mesh);
 
 /// Wraps `model` for HSDP on `mesh`: stage 04's FullyShardedModel on mesh_info(mesh), sharded over the

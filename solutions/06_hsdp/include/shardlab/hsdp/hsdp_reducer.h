@@ -26,6 +26,10 @@
 
 namespace shardlab::hsdp {
 
+/// 0.1's names of shardlab::Wire and shardlab::parse_wire (core/comm/wire.h), for one release.
+using Wire = shardlab::Wire;
+using shardlab::parse_wire;
+
 /// One unit's HSDP reduction: a reduce-scatter in `shard` and then an all-reduce in `replicate`, chained with
 /// Handle::then_issue, so that FSDP's advance() before the next unit's reduce-scatter issues this unit's all-reduce
 /// without waiting for it (Note [Advancing a chained reduction] in common).

@@ -21,8 +21,8 @@
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
-#include "shardlab/naive_ddp/broadcast_state.h"
 #include "shardlab/core/model/no_sync.h"
+#include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <map>
 #include <memory>

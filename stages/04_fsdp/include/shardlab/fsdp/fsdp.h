@@ -31,11 +31,12 @@
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
+#include "shardlab/core/model/no_sync.h"
 #include "shardlab/fsdp/fsdp_unit.h"
 #include "shardlab/fsdp/memory.h"
+#include "shardlab/fsdp/mesh_info.h"
 #include "shardlab/fsdp/mixed_precision.h"
 #include "shardlab/fsdp/reducer.h"
-#include "shardlab/core/model/no_sync.h"
 
 #include <c10/core/Device.h>
 
@@ -101,13 +102,6 @@ struct Options {
   ReducerFactory reducer;                   ///< makes each unit's gradient reducer (empty: stage 03's
                                             ///< reduce_scatter hook, the average in the reduce dtype, on the
                                             ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
-  Communicator* broadcast_group = nullptr;  ///< the group construction broadcasts rank 0's state over, after every
-                                            ///< check (null: the wrapper's own; HSDP: the whole world, so that
-                                            ///< every replica starts alike); sharded construction broadcasts
-                                            ///< nothing and compares the structure over it. It must contain the
-                                            ///< wrapper's group, every rank of it constructing too: not checked (a
-                                            ///< Communicator knows no global ranks); a wrong one trains mixed
-                                            ///< replicas
   bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
   bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
                                             ///< instead of malloc and free every step (Note [Why FSDP pools its
@@ -146,13 +140,12 @@ struct MemoryTheory {
 ///
 /// Contract:
 ///  - Construct on every rank with a model of the same structure. Construction broadcasts every parameter and
-///    buffer from rank 0 of Options::broadcast_group (the wrapper's group by default; a collective, after every
-///    check), then keeps this rank's shard of each parameter. Or construct from a ModelBuilder (sharded construction,
-///    for a model larger than one rank): each unit is sharded as the model registers it, and nothing is
-///    broadcast. From then on the
-///    model's registered parameters are *gathered* tensors that hold values only while their unit runs: the
-///    optimizer must be built on `parameters()` (the sharded ones), and the full values are read with
-///    `full_parameters()`. Buffers are replicated, not sharded.
+///    buffer from rank 0 of the mesh (MeshInfo::everyone(): the shard group, or under HSDP every replica too; a
+///    collective, after every check), then keeps this rank's shard of each parameter. Or construct from a ModelBuilder
+///    (sharded construction, for a model larger than one rank): each unit is sharded as the model registers it, and
+///    nothing is broadcast. From then on the model's registered parameters are *gathered* tensors that hold values only
+///    while their unit runs: the optimizer must be built on `parameters()` (the sharded ones), and the full values are
+///    read with `full_parameters()`. Buffers are replicated, not sharded.
 ///  - Call `loss(batch)` for the forward, then `.backward()` on it (or on a tensor computed from it), on every
 ///    rank, the same way: every unit is a collective. Every rank must run the same units in the same order, and
 ///    leave the same trainable parameters without gradient (Note [A parameter unused on some ranks] in fsdp.cpp:
@@ -176,11 +169,13 @@ struct MemoryTheory {
 ///    the wrapper is gone the model's registered parameters have no storage: read `full_parameters()` before.
 class FullyShardedModel {
  public:
-  /// Broadcasts the model's state from rank 0, shards every unit and the root, and puts itself into the units'
-  /// slots.
-  /// @throws std::invalid_argument for a null model, a parameter FSDP cannot shard (scalar, non-contiguous:
-  ///         named), a parameter shared by two units, a unit with mixed dtypes, or a reducer factory that gives
-  ///         no reducer.
+  /// Broadcasts the model's state from rank 0 of the mesh, shards every unit and the root over `mesh.shard`, and
+  /// puts itself into the units' slots.
+  /// @throws std::invalid_argument for a null model, a malformed `mesh` (MeshInfo::check), a parameter FSDP
+  ///         cannot shard (scalar, non-contiguous: named), a parameter shared by two units, a unit with mixed
+  ///         dtypes, or a reducer factory that gives no reducer.
+  FullyShardedModel(std::shared_ptr<Model> model, const MeshInfo& mesh, Options options = {});
+  /// FSDP on one group: the constructor above with MeshInfo::fsdp(comm).
   FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options = {});
   /// Sharded construction, for a model larger than one rank (Note [Building a model unit by unit] in common, Note
   /// [Sharded construction] in fsdp_build.cpp): calls `build` once inside a UnitBuildScope and shards each unit
@@ -191,13 +186,16 @@ class FullyShardedModel {
   /// then the one the other constructor makes from the same model.
   /// @param build makes the model on the CPU, initializing each unit before it registers it; it must build the
   ///        model inside the call (a model built before has no units registered in the scope: refused).
-  /// @param comm the shard group; every rank of it constructs alike.
-  /// @param options as the other constructor's (broadcast_group: the group the build's outcome and the structure
-  ///        are compared over).
+  /// @param mesh where the wrapper sits: sharded over `mesh.shard`; the build's outcome and the structure are
+  ///        compared over every rank of the mesh, which all construct alike.
+  /// @param options as the other constructor's.
   /// @param device where each unit moves before it is sharded, and the root after the build.
   /// @throws as the other constructor, and std::invalid_argument for an empty builder, a null model or units
   ///         registered outside the call, on every rank alike: a rank whose build threw tells the others (one
   ///         all-gather of the errors), which throw std::runtime_error naming it.
+  FullyShardedModel(const ModelBuilder& build, const MeshInfo& mesh, Options options = {},
+                    const c10::Device& device = c10::Device(c10::kCPU));
+  /// Sharded construction of FSDP on one group: the constructor above with MeshInfo::fsdp(comm).
   FullyShardedModel(const ModelBuilder& build, Communicator& comm, Options options = {},
                     const c10::Device& device = c10::Device(c10::kCPU));
   ~FullyShardedModel();
@@ -233,35 +231,35 @@ class FullyShardedModel {
   bool sync_enabled() const { return sync_enabled_; }
   /// Clips the sharded gradients by the global p-norm of the whole model's gradient, as PyTorch's clip_grad_norm_
   /// on an FSDP2 module: each rank sums |g|^p over its own rows (padding holds no gradient), one all-reduce (SUM;
-  /// MAX for p = infinity) over the group passed at construction joins them (HSDP: the shard group, so replicas
-  /// are not counted twice), and every rank scales its rows alike. See Note [A norm over shards]. A collective:
+  /// MAX for p = infinity) over the mesh's shard group joins them (the replicas hold the same rows: counted once),
+  /// and every rank scales its rows alike. See Note [A norm over shards]. A collective:
   /// call it on every rank, between backward and the optimizer's step.
   /// @param max_norm the bound on the total norm (>= 0).
   /// @param p 2 by default; infinity (std::numeric_limits<double>::infinity()) for the largest |g|.
   /// @return the total norm before clipping, the same on every rank.
   /// @throws std::logic_error inside no_sync (the gradients are not reduced and sharded yet), or while a unit's
-  ///         reducer holds a partial (HSDP's all-reduce deferred); std::invalid_argument for a negative max_norm or
+  ///         reducer has deferred its second phase (GradientReducer::deferred: HSDP's all-reduce);
+  ///         std::invalid_argument for a negative max_norm or
   ///         a p that is not positive.
   double clip_grad_norm(double max_norm, double p = 2.0);
 
   /// This rank's part of the model's state, for a checkpoint (training_state.h): every parameter's real rows as
   /// its sharded parameter holds them (full name, full sizes, its torch.chunk rows: never the padding), in
-  /// registration order, then the buffers (replicated: rank 0 of the group saves them). Reshards every unit first:
-  /// a load writes into the sharded parameters, and a unit left gathered would compute on the old values.
-  /// @param saves false on a rank whose rows another rank saves (HSDP's replicas but the first).
-  ShardedState checkpoint_state(bool saves = true);
+  /// registration order, then the buffers (replicated: rank 0 of the mesh saves them). Only the first replica's
+  /// ranks save their rows (MeshInfo::saves). Reshards every unit first: a load writes into the sharded
+  /// parameters, and a unit left gathered would compute on the old values.
+  ShardedState checkpoint_state();
   /// Saves the model's shards and `optimizer`'s state for them (laid out like them) as a sharded checkpoint in
-  /// `dir`, each rank writing its own rows (training_state.h, checkpoint.h). A collective over the wrapper's
-  /// group, between steps.
+  /// `dir`, each rank of the first replica writing its own rows (training_state.h, checkpoint.h). A collective
+  /// over every rank of the mesh, between steps.
   /// @param dir the checkpoint's directory (on a filesystem every rank sees).
   /// @param optimizer built over parameters(); null to save the model only.
   /// @param metadata strings to keep with the checkpoint (rank 0's).
-  /// @throws std::logic_error under HSDP (the replicas would all write: save through DataParallel); as
-  ///         save_training_checkpoint otherwise, on every rank alike.
+  /// @throws as save_training_checkpoint, on every rank alike.
   void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
                        const std::map<std::string, std::string>& metadata = {});
   /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file): each rank reads the
-  /// saved rows that overlap its own; all or nothing. A collective over the wrapper's group, between steps.
+  /// saved rows that overlap its own; all or nothing. A collective over every rank of the mesh, between steps.
   /// @param path the checkpoint's directory, or a safetensors file.
   /// @param optimizer built over parameters(); null to load the model only.
   /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
@@ -273,6 +271,8 @@ class FullyShardedModel {
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
                                                      bool optimizer_if_saved = false, const SavedNames& names = {});
 
+  /// Where the wrapper sits: its shard group, and under HSDP its replicate group and replica.
+  const MeshInfo& mesh_info() const { return mesh_; }
   /// The units: the model's units in registration order, then the root (when it has parameters).
   const std::vector<std::unique_ptr<FsdpUnit>>& units() const { return units_; }
   /// The root unit, or null when every parameter belongs to a unit.
@@ -324,7 +324,6 @@ class FullyShardedModel {
 
  private:
   // Construction (fsdp_build.cpp).
-  Communicator& agreement_group();  // Options::broadcast_group, or the wrapper's group
   void prepare_options();
   std::shared_ptr<GradientReducer> make_reducer(const std::string& unit, size_t index);
   std::unique_ptr<FsdpUnit> make_unit(const std::string& name,
@@ -351,7 +350,8 @@ class FullyShardedModel {
   void reset_iteration();
 
   std::shared_ptr<Model> model_;
-  Communicator& comm_;
+  MeshInfo mesh_;
+  Communicator& comm_;  // *mesh_.shard
   Options options_;
   MemoryMeter meter_;
   std::unique_ptr<BufferPool> pool_;              // Options::pool_buffers; before the units, which draw from it

@@ -23,8 +23,8 @@
 ///  - unsharded:  every gathered parameter holds the full values (bit for bit the shards, cast to param dtype).
 /// begin_unshard / finish_unshard are split so that stage 05 can issue the next unit's all-gather early.
 
-#include "shardlab/core/storage/buffer_pool.h"
 #include "shardlab/core/comm/communicator.h"
+#include "shardlab/core/storage/buffer_pool.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
 #include "shardlab/fsdp/reducer.h"

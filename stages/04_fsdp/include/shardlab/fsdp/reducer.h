@@ -12,6 +12,7 @@
 
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/core/comm/communicator.h"
+#include "shardlab/fsdp/mesh_info.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -59,6 +60,10 @@ class GradientReducer {
     (void)dtype, (void)output_numel;
     return 0;
   }
+  /// True while the reducer has deferred the second phase of what it reduced (HSDP's all-reduce across replicas,
+  /// put off for gradient accumulation): the sharded gradients then hold this replica's part only, so nothing may
+  /// read them as the mean yet (clip_grad_norm refuses). The default never defers: false.
+  virtual bool deferred() const { return false; }
   /// A short name for reports and errors ("reduce_scatter", "fp16", "hsdp").
   virtual std::string name() const = 0;
   /// Drops whatever the reducer keeps between calls, and makes the calls still in flight keep nothing: called after a
@@ -72,6 +77,7 @@ struct ReducerRequest {
   std::string unit;                     ///< the unit's name ("block0", "root")
   size_t index = 0;                     ///< its index in FullyShardedModel::units()
   Communicator* shard_group = nullptr;  ///< the group the unit is sharded over (not owned; outlives the reducer)
+  MeshInfo mesh;                        ///< the wrapper's mesh: a second phase's groups (HSDP's replicate group)
 };
 
 /// Makes the reducer of one unit. Called once per unit at construction, on every rank alike.
@@ -84,7 +90,8 @@ std::shared_ptr<GradientReducer> hook_reducer(comm_hooks::CommHook hook);
 
 /// A factory that gives every unit stage 03's hook `name` on the unit's shard group: "reduce_scatter" (the average
 /// in the reduce dtype; FSDP's default), "fp16" or "bf16" (compressed on the wire).
-/// @throws std::invalid_argument naming the accepted names, for a name that cannot reduce-scatter ("allreduce").
+/// @throws std::invalid_argument naming the accepted names, for a name that cannot reduce-scatter ("allreduce");
+///         and (from a request) for a mesh of more than one replica, which needs a second phase across them.
 ReducerFactory hook_reducers(const std::string& name);
 
 }  // namespace shardlab::fsdp

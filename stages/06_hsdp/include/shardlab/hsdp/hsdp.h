@@ -9,8 +9,8 @@
 /// all-reduce (of the shard's Σ padded numel) in the replicate group. Every rank trains exactly like one device on
 /// the union of all N ranks' batches, and the R ranks of a column hold bit-identical shards after every step.
 
-#include "shardlab/core/model/model.h"
 #include "shardlab/core/comm/world.h"
+#include "shardlab/core/model/model.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
 
@@ -18,13 +18,21 @@
 
 namespace shardlab::hsdp {
 
-/// Wraps `model` for HSDP on `mesh`: stage 04's FullyShardedModel on the mesh's shard group, which broadcasts rank
-/// 0's state over the whole world once its checks passed (so that every replica starts from the same values, not
-/// only every rank of a row), with an HsdpReducer per unit. `options.reducer` and `options.broadcast_group` must be
-/// empty (HSDP sets them); everything else of stage 04 and 05
+/// The description of `mesh` that FullyShardedModel reads (FSDP2's HSDPMeshInfo): sharded over this rank's row
+/// (`mesh.shard_group()`), replicated over its column (`mesh.replicate_group()`), this rank's replica its row, and
+/// the whole mesh the world group of `mesh.world()`: so that construction compares and broadcasts over every rank,
+/// the first replica's ranks save, and HsdpReducer finds its second group. A mesh of one replica (1 x S) gives
+/// FSDP on the row, with a replicate group of one rank. A collective only the first time the world group is used
+/// (World::world() makes it: every rank of the world calls alike).
+fsdp::MeshInfo mesh_info(Mesh& mesh);
+
+/// Wraps `model` for HSDP on `mesh`: stage 04's FullyShardedModel on mesh_info(mesh), sharded over the
+/// mesh's row, which broadcasts global rank 0's state over the whole mesh once its checks passed (so that every
+/// replica starts from the same values, not only every rank of a row), with an HsdpReducer per unit on the mesh's
+/// groups. `options.reducer` must be empty (HSDP sets it); everything else of stage 04 and 05
 /// (mixed precision, reshard after forward, no_sync, prefetch through prefetch::enable_prefetch) works unchanged.
 /// The model and the mesh must outlive the wrapper. A collective on the whole world.
-/// @throws std::invalid_argument for a null model or a reducer or broadcast group already set in `options`, and as
+/// @throws std::invalid_argument for a null model or a reducer already set in `options`, and as
 ///         FullyShardedModel does, before any collective.
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
                                                             fsdp::Options options = {}, Wire wire = Wire::kReduceDtype);
@@ -35,7 +43,7 @@ std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Mode
 /// compared over the whole world. Otherwise as the other overload. A collective on the whole world.
 /// @param build makes the model on the CPU, each unit initialized before it is registered (model.h).
 /// @param mesh the 2-D mesh: sharded over its shard group, replicated over its replicate group.
-/// @param options as the other overload's (reducer and broadcast_group empty).
+/// @param options as the other overload's (reducer empty).
 /// @param wire the dtype of both groups' reductions.
 /// @param device where the units go as they are built.
 /// @throws as the other overload, and as FullyShardedModel's sharded construction.

@@ -26,6 +26,10 @@
 
 namespace shardlab::hsdp {
 
+/// 0.1's names of shardlab::Wire and shardlab::parse_wire (core/comm/wire.h), for one release.
+using Wire = shardlab::Wire;
+using shardlab::parse_wire;
+
 /// One unit's HSDP reduction: a reduce-scatter in `shard` and then an all-reduce in `replicate`, chained with
 /// Handle::then_issue, so that FSDP's advance() before the next unit's reduce-scatter issues this unit's all-reduce
 /// without waiting for it (Note [Advancing a chained reduction] in common).
@@ -55,6 +59,8 @@ class HsdpReducer final : public fsdp::GradientReducer {
   int64_t second_phase_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const override;
   /// partial_bytes().
   int64_t held_bytes() const override { return partial_bytes(); }
+  /// True while a partial is held (the all-reduce deferred).
+  bool deferred() const override { return partial_bytes() > 0; }
   /// One row of `output_numel` elements of `dtype`: the partial of a deferred all-reduce.
   int64_t deferred_bytes(c10::ScalarType dtype, int64_t output_numel) const override;
   /// "hsdp", "hsdp_fp16", "hsdp_bf16".
@@ -86,9 +92,10 @@ class HsdpReducer final : public fsdp::GradientReducer {
   uint64_t generation_ = 0;  // bumped by discard(): deferred calls of an older generation keep nothing
 };
 
-/// The ReducerFactory of HSDP on `mesh` (which must outlive what it makes): each unit gets an HsdpReducer on the
-/// mesh's shard and replicate groups. FullyShardedModel must be built on `mesh.shard_group()`.
-/// @throws std::invalid_argument (from a request) when a unit asks for a group other than the mesh's shard group.
-fsdp::ReducerFactory hsdp_reducers(Mesh& mesh, Wire wire = Wire::kReduceDtype);
+/// The ReducerFactory of HSDP: each unit gets an HsdpReducer on the shard and replicate groups of the wrapper's
+/// mesh (ReducerRequest::mesh, from the MeshInfo FullyShardedModel was built on: mesh_info(mesh) in hsdp.h).
+/// @throws std::invalid_argument (from a request) when the wrapper's mesh has no replicate group (a MeshInfo of
+///         FSDP on one group).
+fsdp::ReducerFactory hsdp_reducers(Wire wire = Wire::kReduceDtype);
 
 }  // namespace shardlab::hsdp

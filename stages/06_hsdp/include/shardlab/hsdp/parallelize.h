@@ -17,11 +17,11 @@
 /// @endcode
 
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
-#include "shardlab/core/model/model.h"
 #include "shardlab/core/comm/world.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/model/no_sync.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
-#include "shardlab/core/model/no_sync.h"
 #include "shardlab/prefetch/prefetch_policy.h"
 
 #include <map>
