@@ -15,6 +15,20 @@ class App;
 
 namespace shardlab::cli {
 
+/// The DDP section of the benchmark: what to run.
+struct DdpBenchOptions {
+  RunOptions run;            ///< model shape, world size, batch, steps, caps, threads (strategy set per row)
+  int repeat = 3;            ///< interleaved rounds; each figure is the best median
+  bool torch = true;         ///< false: no PyTorch DDP peer
+  std::string python;        ///< the interpreter with torch (Debian's python3-torch)
+  std::string torch_script;  ///< tools/bench/torch_ddp.py
+};
+
+/// The DDP section: every DDP strategy of the course, and bucketed DDP over a grid of hand-tuned caps, beside
+/// PyTorch's DDP, in interleaved rounds; prints its table. Its markdown goes to `*md` and its JSON (an object) to
+/// `*json`. @throws std::runtime_error when a shardlab run fails (a peer failure is reported in the table).
+void run_ddp_bench(const DdpBenchOptions& options, const std::string& self_exe, std::string* md, std::string* json);
+
 /// The FSDP section of the benchmark: what to run.
 struct FsdpBenchOptions {
   RunOptions run;           ///< model shape, world size, batch, steps, threads (strategy set per row)
