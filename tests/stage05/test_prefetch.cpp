@@ -54,6 +54,9 @@ Batch chain_batch(int step, const Communicator& comm) {
 
 // ---- Task 1: the orders -------------------------------------------------------------------------------------
 
+// The specification is stage 04's FullyShardedModel::expected_forward_order (the order memory_theory walks): the
+// schedule must predict that order, so the student's answer is compared with it. That it holds the chain's orders
+// (checked first) only guards the example the task sheet works on paper.
 TEST(PrefetchOrders, ExpectedForwardOrderIsRegistrationRootFirstThenTheLastForwards) {
   run_ranks(
       2,
@@ -62,12 +65,17 @@ TEST(PrefetchOrders, ExpectedForwardOrderIsRegistrationRootFirstThenTheLastForwa
         FullyShardedModel fsdp(model, comm);
         const size_t root = fsdp.root_index();
         ASSERT_EQ(root, 4u);
-        EXPECT_EQ(expected_forward_order(fsdp), (std::vector<size_t>{root, 0, 1, 2, 3}))
-            << "before any forward: registration order, root first; got "
+        ASSERT_EQ(fsdp.expected_forward_order(), (std::vector<size_t>{root, 0, 1, 2, 3}));
+        EXPECT_EQ(expected_forward_order(fsdp), fsdp.expected_forward_order())
+            << "before any forward: stage 04's rule, registration order with the root first ("
+            << joined(names_of(fsdp, fsdp.expected_forward_order())) << "); got "
             << joined(names_of(fsdp, expected_forward_order(fsdp)));
         fsdp.loss(chain_batch(0, comm)).backward();
-        EXPECT_EQ(expected_forward_order(fsdp), (std::vector<size_t>{root, 2, 0, 3, 1}))
-            << "after a forward: the order it ran in; got " << joined(names_of(fsdp, expected_forward_order(fsdp)));
+        ASSERT_EQ(fsdp.expected_forward_order(), (std::vector<size_t>{root, 2, 0, 3, 1}));
+        EXPECT_EQ(expected_forward_order(fsdp), fsdp.expected_forward_order())
+            << "after a forward: stage 04's rule, the order it ran in ("
+            << joined(names_of(fsdp, fsdp.expected_forward_order())) << "); got "
+            << joined(names_of(fsdp, expected_forward_order(fsdp)));
       },
       test_group());
 }

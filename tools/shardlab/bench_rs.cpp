@@ -1,5 +1,5 @@
 // `shardlab bench --section reduce_scatter`: the ring reduce-scatter built on c10d's send/recv (Note [Ring
-// reduce-scatter] in common/core/src/comm/communicator.cpp) against the all-reduce fallback that Gloo users get
+// reduce-scatter] in common/core/src/comm/ring_collectives.cpp) against the all-reduce fallback that Gloo users get
 // (PyTorch's FSDP on Gloo included), as real processes, at the sizes FSDP reduce-scatters; and whether kAuto's rule
 // (ring_reduce_scatter_pays) picks the faster one at each size. Also the ring all-gather (Note [Ring all-gather])
 // against the backend's own (Gloo 1.13: the list all-gather, with its private copy of the output).

@@ -36,14 +36,8 @@ using fsdp::FullyShardedModel;
 using fsdp::SchedulePoint;
 
 std::vector<size_t> expected_forward_order(const FullyShardedModel& fsdp) {
-  // BEGIN SOLUTION(05): the last forward's order, or registration order with the root first before any forward
-  if (!fsdp.last_forward_order().empty()) return fsdp.last_forward_order();
-  std::vector<size_t> order;
-  const size_t root = fsdp.root_index();
-  if (root < fsdp.units().size()) order.push_back(root);
-  for (size_t u = 0; u < fsdp.units().size(); ++u)
-    if (u != root) order.push_back(u);
-  return order;
+  // BEGIN SOLUTION(05): the order the memory theory walks, so that what is ahead is what it counts (prefetch.h)
+  return fsdp.expected_forward_order();
   // END SOLUTION
 }
 

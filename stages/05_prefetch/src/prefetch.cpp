@@ -36,8 +36,8 @@ using fsdp::FullyShardedModel;
 using fsdp::SchedulePoint;
 
 std::vector<size_t> expected_forward_order(const FullyShardedModel& fsdp) {
-  // TODO(stage05): the last forward's order, or registration order with the root first before any forward
-  throw ::shardlab::NotImplemented("05", "the last forward's order, or registration order with the root first before any forward");
+  // TODO(stage05): the order the memory theory walks, so that what is ahead is what it counts (prefetch.h)
+  throw ::shardlab::NotImplemented("05", "the order the memory theory walks, so that what is ahead is what it counts (prefetch.h)");
 }
 
 std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {

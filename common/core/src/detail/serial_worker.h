@@ -1,7 +1,7 @@
 #pragma once
 // Internal to shardlab::core (not installed): a thread that runs tasks one after another, and the c10d Work a
 // task completes, so that an algorithm built from several c10d calls (the ring reduce-scatter) is asynchronous
-// like a single collective. See Note [Ring reduce-scatter] in communicator.cpp.
+// like a single collective. See Note [Ring reduce-scatter] in comm/ring_collectives.cpp.
 
 #include "shardlab/core/compat.h"
 

@@ -68,7 +68,7 @@ using Work = c10d::Work;
 bool has_nccl();
 
 /// What c10d's Gloo backend does natively in this libtorch line; where it cannot, the Communicator falls back
-/// (Note [Fallbacks] in communicator.cpp). 1.13: neither. 2.6 and later: both. No line has AVG, and no line has
+/// (Note [Fallbacks] in collectives.cpp). 1.13: neither. 2.6 and later: both. No line has AVG, and no line has
 /// a reduce-scatter worth calling (2.6's is an all-reduce inside).
 struct GlooFeatures {
   bool bfloat16 = false;         ///< reduces and moves bfloat16 tensors

@@ -125,7 +125,8 @@ struct MemoryTheory {
   int64_t peak_param_bytes = 0;          ///< the parameter peak of a step with the options and schedule used: Σψ/N
                                          ///< + what stays gathered (the root; every unit without raf) + the largest
                                          ///< moment of one unit: its gathered buffer beside its own all-gather buffer
-                                         ///< at copy-out and those of the units `ahead` (walked in forward order)
+                                         ///< at copy-out and those of the units `ahead` (walked in the expected
+                                         ///< forward order, FullyShardedModel::expected_forward_order)
   int64_t peak_grad_bytes = 0;           ///< the gradient peak of a synchronized step, walked over the backward
                                          ///< (Note [The gradient peak, walked]): sharded grads + the root's
                                          ///< unsharded grads (counted from the start of backward, an upper bound)
@@ -311,6 +312,11 @@ class FullyShardedModel {
   bool awaits_backward(size_t u) const { return u < awaits_backward_.size() && awaits_backward_[u]; }
   /// forward_order() of the last complete forward (empty before the first one returned).
   const std::vector<size_t>& last_forward_order() const { return last_forward_order_; }
+  /// The order the next forward is expected to begin the units in (indices into units()): last_forward_order()
+  /// once a forward has completed; before that, registration order with the root first (its forward is the whole
+  /// `loss()`). The one rule for predicting a forward: memory_theory() walks this order, and a schedule that
+  /// prefetches along it (stage 05) holds ahead what the theory counts. A fresh vector; the same on every rank.
+  std::vector<size_t> expected_forward_order() const;
   /// The index of the root in units(), or units().size() when there is no root.
   size_t root_index() const { return has_root_ ? units_.size() - 1 : units_.size(); }
 
@@ -332,13 +338,12 @@ class FullyShardedModel {
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> assign_parameters();  // per unit, the root last
   void finish_construction();
 
+  // The step (fsdp.cpp).
   bool raf(size_t u) const;
   void pre_forward(size_t u);
   void post_forward(size_t u, const at::Tensor& output);
   void pre_backward(size_t u);
   void consult_schedule(SchedulePoint point, size_t u);
-  int64_t parameter_peak(int64_t ahead) const;
-  int64_t gradient_peak(int micro_batches, Accumulation accumulation) const;
   void wait_for_reduce(Handle& reduce);
   void on_gradient_ready(size_t g);
   void on_unit_ready(size_t u);
@@ -348,6 +353,10 @@ class FullyShardedModel {
   void reshard_all();
   void check_usable(const char* call) const;  // Note [A wrapper whose all-gather failed]
   void reset_iteration();
+
+  // The memory theory (fsdp_memory.cpp): the peaks walked over expected_forward_order() and its backward.
+  int64_t parameter_peak(int64_t ahead) const;
+  int64_t gradient_peak(int micro_batches, Accumulation accumulation) const;
 
   std::shared_ptr<Model> model_;
   MeshInfo mesh_;

@@ -77,7 +77,7 @@ Handle reduce_scatter_hook(DefaultState& state, const at::Tensor& grad, const at
 Handle fp16_compress_hook(DefaultState& state, const at::Tensor& grad, const at::Tensor& output);
 
 /// Like fp16_compress_hook, in bfloat16 (fp32's range, 8 bits of mantissa). A backend that cannot reduce bf16
-/// (Gloo 1.13) gets it as float32 from the Communicator (see Note [Fallbacks] in communicator.cpp): the result is
+/// (Gloo 1.13) gets it as float32 from the Communicator (see Note [Fallbacks] in collectives.cpp): the result is
 /// the same as a bf16 reduction that sums in f32, but the bytes on the wire are those of f32 (the CommRecorder
 /// shows wire_dtype float); `Communicator::reduces_natively(at::kBFloat16)` tells which case applies.
 /// @throws std::invalid_argument as the fp32 hooks do.

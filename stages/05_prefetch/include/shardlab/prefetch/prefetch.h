@@ -6,8 +6,8 @@
 /// Vocabulary:
 ///  - *ahead*: a unit whose all-gather the schedule issued and whose own use (pre-forward, pre-backward) has not
 ///    come yet. It holds its all-gather buffer (not yet its gathered buffer: Note [Two buffers per unit]).
-///  - *expected forward order*: the order the last forward met the units in (FullyShardedModel::
-///    last_forward_order), or registration order, root first, before any forward ran.
+///  - *expected forward order*: stage 04's FullyShardedModel::expected_forward_order (the order the last forward
+///    met the units in, or registration order, root first, before any forward ran).
 ///  - *backward order*: the order backward meets the units' pre-backward hooks (Note [When backward meets a unit]
 ///    in prefetch.cpp). The root's hook is on the loss, so the root comes first.
 ///
@@ -28,8 +28,10 @@
 
 namespace shardlab::prefetch {
 
-/// The order the next forward is expected to meet the units in (indices into fsdp.units()): the last complete
-/// forward's order, or, before the first, registration order with the root first (its forward is the whole loss).
+/// The order the next forward is expected to meet the units in (indices into fsdp.units()): the one stage 04
+/// specifies, FullyShardedModel::expected_forward_order (the last complete forward's order, or, before the first,
+/// registration order with the root first). memory_theory() walks that order, so a schedule that predicts any other
+/// would hold ahead what the theory does not count.
 std::vector<size_t> expected_forward_order(const fsdp::FullyShardedModel& fsdp);
 
 /// The order in which this backward will meet the units' pre-backward hooks, for any model (blocks run in any

@@ -12,11 +12,11 @@
 /// order on every rank. To find where one does not, turn on set_check_collectives (or SHARDLAB_CHECK_COLLECTIVES=1
 /// for the groups make_communicator makes): every collective is then compared across the ranks first, and a
 /// difference is an exception on every rank's own thread, as PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL does (Note
-/// [Checked collectives] in communicator.cpp).
+/// [Checked collectives] in collective_checks.cpp).
 ///
 /// Where the backend lacks an operation or dtype (Gloo 1.13: no AVG, no bf16, no flat all-gather, no
 /// reduce-scatter; Gloo 2.6: no AVG, and a reduce-scatter that is an all-reduce inside) the Communicator falls back to
-/// what it has, correctly, and the CommRecorder says what was really sent. See Note [Fallbacks] in communicator.cpp.
+/// what it has, correctly, and the CommRecorder says what was really sent. See Note [Fallbacks] in collectives.cpp.
 /// Gloo's missing reduce-scatter is built from c10d's point-to-point ops as a ring (Note [Ring reduce-scatter]).
 
 #include "shardlab/core/comm/comm_record.h"
@@ -60,10 +60,10 @@ enum class ReduceScatterAlgorithm {
 /// kAuto's rule: the ring at 2 and 3 ranks (half the bytes; faster, or tied, at every size measured, 16 KiB-4 MiB), and
 /// from 1 MiB of input at more ranks (below that its N-1 sequential steps cost as much as Gloo's all-reduce or more).
 /// Measured as processes on 2 cores (`shardlab bench --section reduce_scatter`); see Note [Ring reduce-scatter] in
-/// communicator.cpp.
+/// ring_collectives.cpp.
 bool ring_reduce_scatter_pays(int world_size, int64_t input_bytes);
 
-/// How all_gather runs on Gloo with CPU tensors. See Note [Ring all-gather] in communicator.cpp.
+/// How all_gather runs on Gloo with CPU tensors. See Note [Ring all-gather] in ring_collectives.cpp.
 enum class AllGatherAlgorithm {
   kAuto,     ///< the ring (Gloo's own all-gather, flat or list, fills a flat output of its own first)
   kRing,     ///< N-1 steps of send/recv around a ring, each received straight into the output: no copy beside it
@@ -100,7 +100,7 @@ class Handle {
         advance_(std::move(other.advance_)),
         done_(std::exchange(other.done_, true)) {}
   /// Moves the pending collective; the source becomes a completed handle. The handle overwritten must be done
-  /// (waited for, moved from, or default-constructed): see Note [Overwriting a pending Handle] in communicator.cpp.
+  /// (waited for, moved from, or default-constructed): see Note [Overwriting a pending Handle] in handle.cpp.
   /// @throws std::logic_error naming the pending op when this handle is still pending; both handles are then left
   ///         as they were.
   Handle& operator=(Handle&& other);  // NOLINT(performance-noexcept-move-constructor): it refuses by throwing
