@@ -140,17 +140,6 @@ Batch chain_batch(int rank, int64_t step) {
           at::arange(4, at::kLong).remainder(3).roll(rank + step), step};
 }
 
-/// "[2, 0, 1] (numel 21, 42, 54)": buckets by index, with their sizes.
-std::string show_buckets(const std::vector<size_t>& order, const std::vector<Bucket>& buckets) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t k = 0; k < order.size(); ++k) s << (k ? ", " : "") << order[k];
-  s << "] (numel ";
-  for (size_t k = 0; k < order.size(); ++k) s << (k ? ", " : "") << buckets[order[k]].numel;
-  s << ")";
-  return s.str();
-}
-
 // Invariant 1 of task 4: buckets go out strictly in bucket order. Here bucket 2 (layer a) is complete first; it
 // must wait until buckets 0 and 1 have been launched. Every rank runs the same model, so a machine that launches
 // buckets as they complete still pairs its collectives (no hang, no Gloo error): only the order recorded shows it.
