@@ -1,4 +1,4 @@
-// Full files written one tensor at a time (Note [Full files written one tensor at a time] in checkpoint.cpp):
+// Full files written one tensor at a time (Note [Full files written one tensor at a time] in full_file.cpp):
 // save_full_checkpoint from FSDP's shards and export_checkpoint from a sharded checkpoint never hold the model,
 // only about one tensor, and write the file write_file writes for the same tensors, byte for byte.
 #include "shardlab/core/checkpoint/checkpoint.h"

@@ -1,5 +1,5 @@
 // Loading files whose names are not the model's own: a tied weight saved under any of its names, or under all of
-// them (Note [A tied weight in a file] in common/core/src/checkpoint/checkpoint.cpp), and a load that maps a file's
+// them (Note [A tied weight in a file] in common/core/src/checkpoint/state_match.cpp), and a load that maps a file's
 // names to the model's (SavedNames: Hugging Face's dotted names). Every wrapper loads through the same load_checkpoint;
 // FSDP's sharded rows and a replica's whole tensor are both checked.
 #include "shardlab/core/checkpoint/checkpoint.h"
