@@ -14,6 +14,7 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -67,10 +68,7 @@ std::string difference(const std::map<std::string, at::Tensor>& a, const std::ma
 }
 
 TrainConfig mlp_config() {
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 12;
-  c.seed = 3;
+  TrainConfig c = test_support::config("mlp").global_batch(12).seed(3);
   return c;
 }
 
@@ -270,10 +268,7 @@ TEST(Checkpoint, ResumingContinuesAsTheUninterruptedRun) {
 // bit.
 TEST(Checkpoint, BucketedDdpResumesWithItsRebuiltLayoutBitForBit) {
   TempDir dir("buckets");
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 6;
-  c.seed = 11;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(6).seed(11);
   bucketed_ddp::Options options;
   options.caps = {4 << 10, 16 << 10};  // several buckets, so that the layout matters
   auto layout = [](const bucketed_ddp::BucketedDDP& ddp) {

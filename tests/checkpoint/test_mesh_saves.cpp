@@ -11,6 +11,7 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -33,10 +34,7 @@ TEST_P(MeshSave, TheShardedWrapperSavesOneReplicaAndNaiveDdpLoadsItBitForBit) {
   const auto [replicas, shards] = GetParam();
   const std::string shape = std::to_string(replicas) + "x" + std::to_string(shards);
   TempDir dir("mesh_save");
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 12;
-  c.seed = 3;
+  TrainConfig c = test_support::config("mlp").global_batch(12).seed(3);
   std::vector<at::Tensor> before;
   run_world(
       replicas * shards,

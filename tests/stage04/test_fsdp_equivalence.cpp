@@ -12,6 +12,7 @@
 #include "support/device.h"
 #include "support/fsdp_case.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -40,15 +41,10 @@ class Equivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Equivalence, MatchesSingleDeviceReference) {
   const Case& e = GetParam();
-  TrainConfig c;
-  c.model = e.model;
-  c.optimizer = e.optimizer;
-  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 4;
-  c.global_batch = 12 % (e.world * e.micro) == 0 ? 12 : 4 * e.world * e.micro;
-  c.micro_batches = e.micro;
-  c.seed = 13;
-  c.device = test_support::device_name();
+  TrainConfig c = test_support::equivalence_config(e.model, e.optimizer, e.micro)
+                      .steps(4)
+                      .global_batch(12 % (e.world * e.micro) == 0 ? 12 : 4 * e.world * e.micro)
+                      .seed(13);
   Options options;
   options.reshard_after_forward = e.raf;
   options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
@@ -89,11 +85,7 @@ INSTANTIATE_TEST_SUITE_P(Stage04, Equivalence, ::testing::ValuesIn(cases()), [](
 // single device's full gradient (rtol 1e-6: the shards' gradients differ from one device's by the reductions'
 // rounding), and training with a bound that binds matches the clipped single device (3 ranks: padded shards).
 TEST(FullyShardedModel, ClippingJoinsTheShardsNormsInOneAllReduceAndMatchesTheClippedSingleDevice) {
-  TrainConfig base;
-  base.model = "tiny_gpt";
-  base.steps = 3;
-  base.global_batch = 6;
-  base.seed = 13;
+  TrainConfig base = test_support::config("tiny_gpt").steps(3).global_batch(6).seed(13);
   const int world = 3;
   for (const double p : {2.0, test_support::kInfNorm}) {
     const TrainConfig c = test_support::binding_clip(base, 0.05, p);

@@ -12,6 +12,7 @@
 #include "support/failing_backend.h"
 #include "support/refusal.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -35,9 +36,7 @@ using test_support::on_cpu;
 using test_support::test_group;
 
 TEST(FullyShardedModel, AnUnusedParameterIsAnErrorNamingItAndNoRankHangs) {
-  TrainConfig c;
-  c.model = "edge";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("edge").global_batch(4);
   std::vector<std::string> errors(2);
   run_ranks(
       2,
@@ -117,9 +116,7 @@ TEST(FullyShardedModel, AfterAFailedAllGatherTheWrapperRefusesFurtherUseAndSends
 // A backward that throws halfway (here: a hook on block 0's output, after the later blocks' gradients came) must
 // leave nothing behind: the next step, after the optimizer's zero_grad, gives the same gradients as a clean one.
 TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   std::vector<std::vector<at::Tensor>> clean(2), after_abort(2);
   run_ranks(
       2,

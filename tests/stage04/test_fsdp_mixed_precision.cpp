@@ -7,6 +7,7 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -26,11 +27,7 @@ using test_support::on_cpu;
 using test_support::test_group;
 
 TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 3;
-  c.global_batch = 8;
-  c.micro_batches = 2;
+  TrainConfig c = test_support::config("mlp").steps(3).global_batch(8).micro_batches(2);
   const ReferenceResult ref = train_reference(c);
   std::vector<at::Tensor> finals;
   run_ranks(
@@ -130,11 +127,7 @@ TEST(FullyShardedModel, MixedPrecisionClampsAsFsdp2) {
 // of the two differs from one bf16 backward over the whole batch by bf16 rounding, no more.
 TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) {
   for (int micro : {1, 2}) {  // 2: micro-batch gradients are accumulated in f32 (the reduce dtype) between them
-    TrainConfig c;
-    c.model = "mlp";
-    c.steps = 3;
-    c.global_batch = 8;
-    c.micro_batches = micro;
+    TrainConfig c = test_support::config("mlp").steps(3).global_batch(8).micro_batches(micro);
     auto master = make_model(c, at::kCPU);
     auto compute = make_model(c, at::kCPU);
     compute->to(at::kBFloat16);

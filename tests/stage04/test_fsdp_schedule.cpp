@@ -9,6 +9,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/group.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -45,9 +46,7 @@ class Structure : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
   const bool raf = GetParam();
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   const int world = 2, blocks = static_cast<int>(c.layers);
   run_ranks(
       world,
@@ -148,9 +147,7 @@ INSTANTIATE_TEST_SUITE_P(Stage04, Structure, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "reshard_after_forward" : "keep_after_forward"; });
 
 TEST(FullyShardedModel, NoSyncAccumulatesAndReduceScattersOnlyOnTheLastMicroBatch) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 12;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(12);
   run_ranks(
       2,
       [&](Communicator& comm) {
@@ -252,9 +249,7 @@ TEST(FullyShardedModel, ReduceScattersLaunchInReverseForwardOrderEvenWhenAUnitIs
 }
 
 TEST(FullyShardedModel, AtMostOneReduceScatterIsInFlight) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   run_ranks(
       2,
       [&](Communicator& comm) {

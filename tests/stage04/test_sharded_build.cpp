@@ -12,6 +12,7 @@
 #include "support/fsdp_case.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -39,9 +40,7 @@ std::string ops_of(const std::vector<CollectiveRecord>& records) {
 
 TEST(ShardedBuild, EveryShippedModelStartsFromOneDevicesValuesAtEveryWorldSizeWithNoBroadcast) {
   for (const std::string model : {"mlp", "tiny_gpt", "edge"}) {
-    TrainConfig c;
-    c.model = model;
-    c.seed = 21;
+    TrainConfig c = test_support::config(model).seed(21);
     const std::vector<at::Tensor> one_device = on_cpu(make_model(c, at::kCPU)->parameters());
     for (int world = 1; world <= 4; ++world) {
       SCOPED_TRACE(model + " at " + std::to_string(world) + " ranks");
@@ -74,14 +73,12 @@ class ShardedBuildEquivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ShardedBuildEquivalence, TrainsLikeOneDevice) {
   const Case& e = GetParam();
-  TrainConfig c;
-  c.model = e.model;
-  c.optimizer = e.optimizer;
-  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 3;
-  c.global_batch = 12;
-  c.micro_batches = e.micro;
-  c.seed = 17;
+  TrainConfig c = test_support::config(e.model)
+                      .optimizer_at_its_lr(e.optimizer)
+                      .steps(3)
+                      .global_batch(12)
+                      .micro_batches(e.micro)
+                      .seed(17);
   Options options;
   options.reshard_after_forward = e.raf;
   options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps

@@ -11,6 +11,7 @@
 #include "stage05/prefetch_support.h"
 #include "support/gradients.h"
 #include "support/group.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -35,10 +36,7 @@ using test_support::UnitLog;
 using Seq = std::vector<std::string>;
 
 TrainConfig gpt() {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 4;
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").layers(4).global_batch(4);
   return c;
 }
 

@@ -14,6 +14,7 @@
 #include "support/clipping.h"
 #include "support/group.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -48,8 +49,7 @@ std::vector<at::Tensor> shards(const FullyShardedModel& fsdp) {
 // this rank's row. A reducer set by the caller is refused, and a model FSDP rejects keeps each rank's own values (no
 // broadcast before FSDP's checks).
 TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
-  TrainConfig c;
-  c.model = "mlp";
+  TrainConfig c = test_support::config("mlp");
   const std::vector<at::Tensor> originals = on_cpu(make_model(c, at::kCPU)->parameters());
   run_world(
       4,
@@ -110,12 +110,7 @@ class HsdpEquivalence : public ::testing::TestWithParam<MeshCase> {};
 TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAfterEveryStep) {
   const MeshCase m = GetParam();
   const int N = m.replicate * m.shard;
-  TrainConfig c;
-  c.model = m.model;
-  c.steps = 3;
-  c.global_batch = 2 * N;
-  c.micro_batches = 1;
-  c.seed = 5;
+  TrainConfig c = test_support::config(m.model).steps(3).global_batch(2 * N).micro_batches(1).seed(5);
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(N);
   std::vector<std::vector<std::vector<at::Tensor>>> per_step(N);  // [rank][step] -> shards
@@ -165,11 +160,7 @@ INSTANTIATE_TEST_SUITE_P(Stage06, HsdpEquivalence,
 // maximum over copies is the same, so only the 2-norm can tell). A bound that binds trains like the clipped single
 // device on a 2 x 2 mesh, in the 2-norm and the max norm. While the all-reduce is deferred, clipping is refused.
 TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSingleDevice) {
-  TrainConfig base;
-  base.model = "mlp";
-  base.steps = 3;
-  base.global_batch = 8;
-  base.seed = 5;
+  TrainConfig base = test_support::config("mlp").steps(3).global_batch(8).seed(5);
   for (const double p : {2.0, test_support::kInfNorm}) {
     const TrainConfig c = test_support::binding_clip(base, 0.01, p);
     const ReferenceResult ref = train_reference(c);
@@ -204,10 +195,7 @@ TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSing
 // all-reduced over the 4 replicas) against stage 02's bucketed DDP on the same 4 ranks, within rtol 1e-6 (the sums
 // differ in order: one all-reduce per unit against one per bucket, and pre/post division against DDP's mean).
 TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 3;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(3).global_batch(8);
   std::vector<std::vector<at::Tensor>> hybrid(4), ddp(4);
   run_world(
       4,
@@ -234,10 +222,7 @@ TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
 // all 4 ranks with the same policy after a step (each rank computes the same bf16 gradients of the same values; only
 // the f32 sums run in another order).
 TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 3;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(3).global_batch(8);
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> kept(4), hybrid_bf16(4), fsdp_bf16(4);
   run_world(
@@ -279,10 +264,7 @@ TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
 
 // One replica (R = 1) is stage 04's FSDP: the same collectives (no all-reduce at all) and the same bits.
 TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8);
   std::vector<at::Tensor> hybrid, plain;
   run_world(
       2,
@@ -316,11 +298,7 @@ TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
 // device on the union batch, with micro-batches under its no_sync; DDP refuses mixed precision and only HSDP defers
 // its all-reduce, both with errors that name the mesh, before any collective of the wrong kind.
 TEST(Parallelize, TheMeshShapeChoosesDdpFsdpOrHsdpAndEachTrainsLikeOneDevice) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
-  c.micro_batches = 2;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8).micro_batches(2);
   const ReferenceResult ref = train_reference(c);
   struct Shape {
     int replicate, shard;
