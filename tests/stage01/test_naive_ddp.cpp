@@ -13,6 +13,7 @@
 #include "support/group.h"
 #include "support/no_sync.h"
 #include "support/refusal.h"
+#include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 #include "support/watched_backend.h"
@@ -46,12 +47,8 @@ void expect_matches_reference(int world, const TrainConfig& c, const GroupOption
   std::vector<std::vector<at::Tensor>> finals(world);
   run_ranks(
       world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c); }, group);
-  for (int r = 0; r < world; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << c.model << "/" << c.optimizer << " world " << world << " micro " << c.micro_batches << " rank " << r
-              << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params, c.model + "/" + c.optimizer, "world", world, "micro",
+                                   c.micro_batches);
 }
 
 struct EquivalenceCase {

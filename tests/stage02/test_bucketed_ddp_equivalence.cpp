@@ -143,11 +143,7 @@ TEST(BucketedDDP, GradientsDroppedBetweenForwardAndBackwardAreStillAveraged) {
         finals[comm.rank()] = model->parameters();
       },
       test_group());
-  for (int r = 0; r < 2; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << "rank " << r << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params);
 }
 
 TEST(BucketedDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesAndFrozenParametersStayOut) {
@@ -173,11 +169,7 @@ TEST(BucketedDDP, ClippingMatchesTheClippedSingleDevice) {
     std::vector<std::vector<at::Tensor>> finals(2);
     run_ranks(
         2, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c, options); }, test_group());
-    for (int r = 0; r < 2; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, "p", p);
   }
 }
 

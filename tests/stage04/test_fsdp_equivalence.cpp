@@ -59,11 +59,7 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
         finals[comm.rank()] = on_cpu(fsdp.full_parameters());
       },
       test_group());
-  for (int r = 0; r < e.world; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << e << " rank " << r << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params, e);
 }
 
 std::vector<Case> cases() {
@@ -126,11 +122,7 @@ TEST(FullyShardedModel, ClippingJoinsTheShardsNormsInOneAllReduceAndMatchesTheCl
           finals[comm.rank()] = on_cpu(fsdp.full_parameters());
         },
         test_group());
-    for (int r = 0; r < world; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, "p", p);
   }
 }
 

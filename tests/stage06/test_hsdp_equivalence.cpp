@@ -127,11 +127,7 @@ TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAft
         finals[world.rank()] = on_cpu(fsdp->full_parameters());
       },
       test_group());
-  for (int r = 0; r < N; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << m << " rank " << r << ": max |param - one device| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << m << " rank " << r << " differs by " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params, m);
   // Rank = row * S + column: the ranks of column k are k, S + k, 2S + k, ...
   for (int col = 0; col < m.shard; ++col)
     for (int row = 1; row < m.replicate; ++row)
@@ -183,11 +179,7 @@ TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSing
           EXPECT_NO_THROW(fsdp->clip_grad_norm(1e9, p)) << "rank " << world.rank() << ": after the all-reduce";
         },
         test_group());
-    for (int r = 0; r < 4; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, "p", p);
   }
 }
 
@@ -352,12 +344,7 @@ TEST(Parallelize, TheMeshShapeChoosesDdpFsdpOrHsdpAndEachTrainsLikeOneDevice) {
           EXPECT_GT(reductions, 0u) << shape.kind;
         },
         test_group());
-    for (int r = 0; r < 4; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << shape.kind << " rank " << r << ": max |param - one device| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol))
-          << shape.kind << " rank " << r << " differs by " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, shape.kind);
   }
 }
 
