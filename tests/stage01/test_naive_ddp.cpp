@@ -32,8 +32,6 @@ namespace {
 
 using test_support::test_group;
 
-constexpr double kRtol = 1e-5, kAtol = 1e-6;
-
 // One rank's training through NaiveDDP (see test_support::train_replica); returns the final parameters.
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
   auto model = make_model(c.model, c.seed, device_of(c));
