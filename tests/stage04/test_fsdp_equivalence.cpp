@@ -45,21 +45,9 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
                       .steps(4)
                       .global_batch(12 % (e.world * e.micro) == 0 ? 12 : 4 * e.world * e.micro)
                       .seed(13);
-  Options options;
-  options.reshard_after_forward = e.raf;
-  options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
-  const ReferenceResult ref = train_reference(c);
-  std::vector<std::vector<at::Tensor>> finals(e.world);
-  run_ranks(
-      e.world,
-      [&](Communicator& comm) {
-        auto model = make_model(c, device_of(c));
-        FullyShardedModel fsdp(model, comm, options);
-        test_support::train_steps(comm, c, fsdp.parameters(), device_of(c), fsdp);
-        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
-      },
-      test_group());
-  test_support::expect_ranks_match(finals, ref.params, e);
+  test_support::expect_case_trains_like_one_device(e, c, device_of(c), [&](Communicator& comm, const Options& o) {
+    return FullyShardedModel(make_model(c, device_of(c)), comm, o);
+  });
 }
 
 std::vector<Case> cases() {

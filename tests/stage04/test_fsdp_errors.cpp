@@ -30,8 +30,6 @@
 namespace shardlab::fsdp {
 namespace {
 
-using test_support::kAtol;
-using test_support::kRtol;
 using test_support::on_cpu;
 using test_support::test_group;
 
@@ -266,11 +264,7 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFi
         finals[comm.rank()] = on_cpu(fsdp.full_parameters());
       },
       test_group());
-  for (int r = 0; r < 2; ++r) {
-    const double diff = max_abs_diff(finals[r], on_cpu(ref->parameters()));
-    std::cout << "shared module in the root, rank " << r << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], on_cpu(ref->parameters()), kRtol, kAtol)) << "rank " << r << " diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, on_cpu(ref->parameters()), "shared module in the root,");
 }
 
 }  // namespace

@@ -80,21 +80,10 @@ TEST_P(ShardedBuildEquivalence, TrainsLikeOneDevice) {
                       .global_batch(12)
                       .micro_batches(e.micro)
                       .seed(17);
-  Options options;
-  options.reshard_after_forward = e.raf;
-  options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
-  const ReferenceResult ref = train_reference(c);
-  std::vector<std::vector<at::Tensor>> finals(e.world);
-  run_ranks(
-      e.world,
-      [&](Communicator& comm) {
-        FullyShardedModel fsdp([&] { return make_model(c, at::kCPU); }, comm, options);
-        test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
-        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
-      },
-      test_group());
   // SGD and the MLP's and edge model's AdamW are tight (Note [Comparing with one device]): kRtol 1e-5, kAtol 1e-6.
-  test_support::expect_ranks_match(finals, ref.params, e);
+  test_support::expect_case_trains_like_one_device(e, c, at::kCPU, [&](Communicator& comm, const Options& o) {
+    return FullyShardedModel([&] { return make_model(c, at::kCPU); }, comm, o);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage04, ShardedBuildEquivalence,
