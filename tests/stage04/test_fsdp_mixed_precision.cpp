@@ -7,6 +7,7 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/mixed_precision.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 
@@ -34,10 +35,7 @@ TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards
       2,
       [&](Communicator& comm) {
         auto model = make_model(c, at::kCPU);
-        Options options;
-        options.mixed_precision.param_dtype = at::kBFloat16;
-        options.mixed_precision.reduce_dtype = at::kFloat;
-        FullyShardedModel fsdp(model, comm, options);
+        FullyShardedModel fsdp(model, comm, test_support::bf16_compute_f32_reduce());
         for (const auto& unit : fsdp.units()) {
           EXPECT_EQ(unit->dtypes().param, at::kBFloat16);
           EXPECT_EQ(unit->dtypes().reduce, at::kFloat);
@@ -163,10 +161,7 @@ TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) 
           world,
           [&](Communicator& comm) {
             auto model = make_model(c, at::kCPU);
-            Options options;
-            options.mixed_precision.param_dtype = at::kBFloat16;
-            options.mixed_precision.reduce_dtype = at::kFloat;
-            FullyShardedModel fsdp(model, comm, options);
+            FullyShardedModel fsdp(model, comm, test_support::bf16_compute_f32_reduce());
             test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
             auto full = on_cpu(fsdp.full_parameters());
             if (comm.rank() == 0) finals = full;

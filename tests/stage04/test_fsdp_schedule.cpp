@@ -9,6 +9,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/group.h"
+#include "support/mixed_precision.h"
 #include "support/train_config.h"
 
 #include <ATen/ATen.h>
@@ -288,10 +289,8 @@ TEST(FullyShardedModel, InsideNoSyncEveryUnitsGradientsAreStashedInTheReduceDtyp
       [&](Communicator& comm) {
         auto model = std::make_shared<Chain>();
         model->middle->use_extra = false;
-        Options options;
+        Options options = test_support::bf16_compute_f32_reduce();
         options.allow_unused_parameters = true;
-        options.mixed_precision.param_dtype = at::kBFloat16;
-        options.mixed_precision.reduce_dtype = at::kFloat;
         FullyShardedModel fsdp(model, comm, options);
         const Batch batch = rank_slice(chain_batch(), comm.rank(), comm.size());
         {

@@ -13,6 +13,7 @@
 
 #include "support/clipping.h"
 #include "support/group.h"
+#include "support/mixed_precision.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -200,11 +201,7 @@ TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
         ddp[world.rank()] = test_support::train_replica(world.world(), c, *replica, plain);
       },
       test_group());
-  for (int r = 0; r < 4; ++r) {
-    const double diff = max_abs_diff(hybrid[r], ddp[r]);
-    std::cout << "4x1 rank " << r << ": max |hsdp - bucketed ddp| = " << diff << "\n";
-    EXPECT_TRUE(all_close(hybrid[r], ddp[r], 1e-6, 1e-7)) << "rank " << r << " differs by " << diff;
-  }
+  test_support::expect_ranks_close(hybrid, ddp, 1e-6, 1e-7, "4x1 hsdp vs bucketed ddp,");
 }
 
 // Stage 04's and 05's options work unchanged under HSDP: units kept after forward with stage 05's prefetch (depth 1
@@ -229,9 +226,7 @@ TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
 
         TrainConfig one = c;
         one.steps = 1;
-        fsdp::Options bf16;
-        bf16.mixed_precision.param_dtype = at::kBFloat16;
-        bf16.mixed_precision.reduce_dtype = at::kFloat;
+        const fsdp::Options bf16 = test_support::bf16_compute_f32_reduce();
         auto m1 = make_model(one, at::kCPU);
         auto hybrid = fully_shard_hybrid(m1, mesh, bf16);
         test_support::train_steps(world.world(), one, hybrid->parameters(), at::kCPU, *hybrid);
@@ -243,11 +238,7 @@ TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
       },
       test_group());
   test_support::expect_ranks_match(kept, ref.params, "kept + prefetch,");
-  for (int r = 0; r < 4; ++r) {
-    const double mp = max_abs_diff(hybrid_bf16[r], fsdp_bf16[r]);
-    std::cout << "rank " << r << ": bf16 hsdp vs bf16 fsdp " << mp << "\n";
-    EXPECT_TRUE(all_close(hybrid_bf16[r], fsdp_bf16[r], 1e-6, 1e-7)) << "rank " << r << " (bf16) differs by " << mp;
-  }
+  test_support::expect_ranks_close(hybrid_bf16, fsdp_bf16, 1e-6, 1e-7, "bf16 hsdp vs bf16 fsdp,");
 }
 
 // One replica (R = 1) is stage 04's FSDP: the same collectives (no all-reduce at all) and the same bits.
