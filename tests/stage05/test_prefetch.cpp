@@ -561,6 +561,34 @@ TEST(PrefetchOverlap, TheNextUnitsAllGatherIsIssuedBeforeThisUnitsComputeEnds) {
       test_group());
 }
 
+// The recovery's check, through `log`: the next step on `batch` settles first (by its first new all-gather every other
+// unit is sharded, holds no all-gather buffer, and every earlier collective has ended), and its gradients are
+// `clean`'s bit for bit; `after` names what came before, for the messages.
+void expect_next_step_settles_first(UnitLog& log, FullyShardedModel& fsdp, Communicator& comm, const Batch& batch,
+                                    const std::vector<at::Tensor>& clean, const std::string& after) {
+  bool checked = false;
+  log.on_event = [&](const fsdp::UnitEvent& e) {
+    if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
+    checked = true;
+    for (size_t u = 0; u < fsdp.units().size(); ++u) {
+      if (u == e.unit) continue;
+      EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
+      EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
+    }
+    const auto records = comm.recorder().snapshot();  // the last one is the all-gather just issued
+    for (size_t i = 0; i + 1 < records.size(); ++i)
+      EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
+  };
+  for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
+  fsdp.loss(batch).backward();
+  log.on_event = nullptr;  // it refers to `checked`, which ends here
+  EXPECT_TRUE(checked);
+  const auto params = fsdp.parameters();
+  for (size_t k = 0; k < params.size(); ++k)
+    EXPECT_EQ(test_support::max_diff(params[k].grad(), clean[k]), 0.0)
+        << "parameter " << k << ": the step after " << after << " differs from a clean one";
+}
+
 TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
   const TrainConfig c = gpt();
   run_ranks(
@@ -582,28 +610,8 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
         for (const auto& unit : fsdp.units()) some_ahead |= unit->state() != UnitState::kSharded;
         EXPECT_TRUE(some_ahead) << "the cut must leave something gathered or in flight, or this tests nothing";
         // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
-        bool checked = false;
         UnitLog log(fsdp);
-        log.on_event = [&](const fsdp::UnitEvent& e) {
-          if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
-          checked = true;
-          for (size_t u = 0; u < fsdp.units().size(); ++u) {
-            if (u == e.unit) continue;
-            EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
-            EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
-          }
-          const auto records = comm.recorder().snapshot();  // the last one is the all-gather just issued
-          for (size_t i = 0; i + 1 < records.size(); ++i)
-            EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
-        };
-        for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
-        fsdp.loss(batch).backward();
-        EXPECT_TRUE(checked);
-        const auto params = fsdp.parameters();
-        for (size_t k = 0; k < params.size(); ++k) {
-          const double diff = test_support::max_diff(params[k].grad(), clean[k]);
-          EXPECT_EQ(diff, 0.0) << "parameter " << k << ": the step after the failure differs from a clean one";
-        }
+        expect_next_step_settles_first(log, fsdp, comm, batch, clean, "the failure");
       },
       test_group());
 }
@@ -634,26 +642,7 @@ TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFir
         for (const auto& unit : fsdp.units()) in_flight |= unit->state() == UnitState::kUnsharding;
         EXPECT_TRUE(in_flight) << "the throw must leave a prefetch in flight, or this tests nothing";
         // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
-        bool checked = false;
-        log.on_event = [&](const fsdp::UnitEvent& e) {
-          if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
-          checked = true;
-          for (size_t u = 0; u < fsdp.units().size(); ++u) {
-            if (u == e.unit) continue;
-            EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
-            EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
-          }
-          const auto records = comm.recorder().snapshot();
-          for (size_t i = 0; i + 1 < records.size(); ++i)
-            EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
-        };
-        for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
-        fsdp.loss(batch).backward();
-        EXPECT_TRUE(checked);
-        const auto params = fsdp.parameters();
-        for (size_t k = 0; k < params.size(); ++k)
-          EXPECT_EQ(test_support::max_diff(params[k].grad(), clean[k]), 0.0)
-              << "parameter " << k << ": the step after the failed forward differs from a clean one";
+        expect_next_step_settles_first(log, fsdp, comm, batch, clean, "the failed forward");
       },
       test_group());
 }
