@@ -101,8 +101,7 @@ INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_c
 TEST(NeedsAGpu, BucketedDdpOnNcclWorldOneMatchesSingleDevice) {
   if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
   TrainConfig c = test_support::config("tiny_gpt").steps(4).global_batch(8).micro_batches(2).device("cuda:0");
-  Options options;
-  options.caps = {2048, 8192};
+  const Options options = test_support::with_caps(test_support::gpt_caps());
   GroupOptions group = test_group();
   group.kind = BackendKind::kNccl;
   const ReferenceResult ref = train_reference(c);
