@@ -12,6 +12,7 @@
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
+#include "support/param_name.h"
 #include "support/refusal.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
@@ -104,11 +105,7 @@ std::vector<EquivalenceCase> equivalence_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage01, Equivalence, ::testing::ValuesIn(equivalence_cases()), [](const auto& info) {
-  std::ostringstream s;
-  s << info.param;
-  return s.str();
-});
+INSTANTIATE_TEST_SUITE_P(Stage01, Equivalence, ::testing::ValuesIn(equivalence_cases()), test_support::StreamedName());
 
 TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) {
   const int world = 3;

@@ -11,6 +11,7 @@
 #include "support/device.h"
 #include "support/group.h"
 #include "support/no_sync.h"
+#include "support/param_name.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -91,11 +92,7 @@ std::vector<EquivalenceCase> equivalence_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_cases()), [](const auto& info) {
-  std::ostringstream s;
-  s << info.param;
-  return s.str();
-});
+INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_cases()), test_support::StreamedName());
 
 // World size 1 on NCCL (one GPU hosts one NCCL rank): CUDA tensors, the rebuild broadcast included.
 TEST(NeedsAGpu, BucketedDdpOnNcclWorldOneMatchesSingleDevice) {

@@ -11,6 +11,7 @@
 #include "support/counting_allocator.h"
 #include "support/device.h"
 #include "support/group.h"
+#include "support/param_name.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 
@@ -162,11 +163,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, AllReduceHookBitExact,
                          ::testing::Values(TrainCase{"mlp", "adamw", 2, 1}, TrainCase{"mlp", "sgd", 4, 2},
                                            TrainCase{"mlp", "adamw", 3, 1}, TrainCase{"tiny_gpt", "sgd", 2, 1},
                                            TrainCase{"tiny_gpt", "sgd", 3, 2}, TrainCase{"tiny_gpt", "sgd", 4, 1}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // ---------------------------------------------------------------------------------------------------------------
 // 3a. Low-precision hooks compute exactly what the casts say

@@ -12,6 +12,7 @@
 #include "support/device.h"
 #include "support/gradients.h"
 #include "support/group.h"
+#include "support/param_name.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 
@@ -131,11 +132,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, OptimizerOverlap,
                                            OverlapCase{"tiny_gpt", "sgd", "", 2, 3},
                                            OverlapCase{"tiny_gpt", "adamw", "allreduce", 2, 2},
                                            OverlapCase{"mlp", "sgd", "fp16", 2, 1}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // Order: per synchronized backward one step per bucket, in bucket order, each stepping exactly its bucket's
 // parameters and starting after that bucket's all-reduce completed (the record's end is stamped before the

@@ -11,6 +11,7 @@
 #include "support/clipping.h"
 #include "support/device.h"
 #include "support/fsdp_case.h"
+#include "support/param_name.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -58,11 +59,7 @@ std::vector<Case> cases() {
           {"edge", "sgd", 4, 1, true}};
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage04, Equivalence, ::testing::ValuesIn(cases()), [](const auto& info) {
-  std::ostringstream s;
-  s << info.param;
-  return s.str();
-});
+INSTANTIATE_TEST_SUITE_P(Stage04, Equivalence, ::testing::ValuesIn(cases()), test_support::StreamedName());
 
 // Clipping the shards by the whole model's norm (FullyShardedModel::clip_grad_norm, Note [A norm over shards]):
 // one all-reduce of one double per call (SUM of |g|^p; MAX for the max norm), the same norm on every rank as the

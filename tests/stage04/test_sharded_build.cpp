@@ -11,6 +11,7 @@
 #include "support/eight_block_gpt.h"
 #include "support/fsdp_case.h"
 #include "support/group.h"
+#include "support/param_name.h"
 #include "support/temp_dir.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
@@ -89,11 +90,7 @@ TEST_P(ShardedBuildEquivalence, TrainsLikeOneDevice) {
 INSTANTIATE_TEST_SUITE_P(Stage04, ShardedBuildEquivalence,
                          ::testing::Values(Case{"tiny_gpt", "sgd", 2, 1, true}, Case{"tiny_gpt", "sgd", 3, 2, false},
                                            Case{"mlp", "adamw", 4, 1, true}, Case{"edge", "sgd", 3, 2, true}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // Bytes of `ts`.
 int64_t bytes_of(const std::vector<at::Tensor>& ts) {

@@ -11,6 +11,7 @@
 #include "stage05/prefetch_support.h"
 #include "support/gradients.h"
 #include "support/group.h"
+#include "support/param_name.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 
@@ -513,11 +514,7 @@ TEST_P(PrefetchBits, ParametersAfterTrainingAreBitIdenticalWithAndWithoutPrefetc
 INSTANTIATE_TEST_SUITE_P(Stage05, PrefetchBits,
                          ::testing::Values(BitCase{true, 1, false}, BitCase{false, 1, false}, BitCase{true, 2, false},
                                            BitCase{true, 2, true}, BitCase{false, 2, true}),
-                         [](const ::testing::TestParamInfo<BitCase>& info) {
-                           std::ostringstream os;
-                           os << info.param;
-                           return os.str();
-                         });
+                         test_support::StreamedName());
 
 TEST(PrefetchOverlap, TheNextUnitsAllGatherIsIssuedBeforeThisUnitsComputeEnds) {
   const TrainConfig c = gpt();

@@ -14,6 +14,7 @@
 #include "support/clipping.h"
 #include "support/group.h"
 #include "support/mixed_precision.h"
+#include "support/param_name.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -144,11 +145,7 @@ TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAft
 INSTANTIATE_TEST_SUITE_P(Stage06, HsdpEquivalence,
                          ::testing::Values(MeshCase{2, 2, "tiny_gpt"}, MeshCase{2, 3, "mlp"}, MeshCase{3, 2, "mlp"},
                                            MeshCase{4, 1, "mlp"}, MeshCase{2, 2, "edge"}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // Clipping under HSDP: the shards' norms are joined over the shard group only (the replicas hold the same shards:
 // joined over the world, each element would count R times and the 2-norm's scale be off by a factor sqrt(R); a
