@@ -8,6 +8,7 @@
 #include "shardlab/course/reference.h"
 
 #include "stage02/bucketed_ddp_support.h"
+#include "support/gradients.h"
 #include "support/group.h"
 
 #include <ATen/ATen.h>
@@ -178,8 +179,7 @@ TEST(CapTuning, BucketedDDPProfilesItsBackwardAndTakesNewCaps) {
           EXPECT_LE(p.ready_ns[p.order[k - 1]], p.ready_ns[p.order[k]]) << "ready times follow the ready order";
         EXPECT_LE(p.ready_ns[p.order.back()], p.end_ns);
         const size_t before = gpt.ddp.buckets().size();
-        std::vector<at::Tensor> grads;
-        for (const auto& p : gpt.ddp.parameters()) grads.push_back(p.grad().clone());
+        const std::vector<at::Tensor> grads = test_support::grad_copies(gpt.ddp.parameters());
         gpt.ddp.set_caps({1 << 20, 1 << 20});
         EXPECT_EQ(gpt.ddp.buckets().size(), before) << "nothing changes before the next forward";
         gpt.ddp.loss(rank_slice(gpt.data->global_batch(1, 8), comm.rank(), 2));  // lays the buckets out again

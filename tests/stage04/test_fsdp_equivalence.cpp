@@ -11,6 +11,7 @@
 #include "support/clipping.h"
 #include "support/device.h"
 #include "support/fsdp_case.h"
+#include "support/gradients.h"
 #include "support/param_name.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
@@ -159,8 +160,7 @@ TEST(FullyShardedModel, AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGlooTe
   }
   Net reference;
   reference.loss(global).backward();
-  std::vector<at::Tensor> ref_grads;
-  for (const auto& p : reference.parameters()) ref_grads.push_back(p.grad().clone());
+  const std::vector<at::Tensor> ref_grads = test_support::grad_copies(reference.parameters());
 
   for (int world : {2, 4}) {
     std::vector<std::vector<at::Tensor>> grads(world);
@@ -175,7 +175,7 @@ TEST(FullyShardedModel, AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGlooTe
           const size_t start = comm.recorder().size();
           fsdp.loss(rank_slice(global, comm.rank(), world)).backward();
           for (const auto& r : comm.recorder().since(start)) ops[comm.rank()].push_back(r.op + " " + r.wire_op);
-          for (const auto& p : fsdp.parameters()) grads[comm.rank()].push_back(p.grad().clone());
+          grads[comm.rank()] = test_support::grad_copies(fsdp.parameters());
         },
         test_group());
     // The ops interleave differently: rank 0 reduces `gated` before gathering `first` for its backward, a rank

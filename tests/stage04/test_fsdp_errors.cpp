@@ -10,6 +10,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/failing_backend.h"
+#include "support/gradients.h"
 #include "support/refusal.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
@@ -137,9 +138,7 @@ TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
               if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
           }
           fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
-          std::vector<at::Tensor> grads;
-          for (const auto& p : fsdp.parameters()) grads.push_back(p.grad().clone());
-          (abort ? after_abort : clean)[comm.rank()] = grads;
+          (abort ? after_abort : clean)[comm.rank()] = test_support::grad_copies(fsdp.parameters());
           for (const auto& unit : fsdp.units())
             for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
         }

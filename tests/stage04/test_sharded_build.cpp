@@ -10,6 +10,7 @@
 #include "support/counting_allocator.h"
 #include "support/eight_block_gpt.h"
 #include "support/fsdp_case.h"
+#include "support/gradients.h"
 #include "support/group.h"
 #include "support/param_name.h"
 #include "support/temp_dir.h"
@@ -280,8 +281,7 @@ TEST(ShardedBuild, AUserModelTrainsLikeOneDeviceAndAModelBuiltBeforeIsRefused) {
   Batch all{data, at::zeros({4}, at::kLong)};
   auto one = std::make_shared<UserNet>();
   one->loss(all).backward();
-  std::vector<at::Tensor> expected;
-  for (const auto& p : one->parameters()) expected.push_back(p.grad().clone());
+  const std::vector<at::Tensor> expected = test_support::grad_copies(one->parameters());
   std::vector<std::vector<at::Tensor>> grads(world);
   run_ranks(
       world,

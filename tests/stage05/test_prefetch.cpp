@@ -596,8 +596,7 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
         const Batch batch = gpt_batch(c, 0, comm);
         // A clean step's gradients.
         fsdp.loss(batch).backward();
-        std::vector<at::Tensor> clean;
-        for (const auto& p : fsdp.parameters()) clean.push_back(p.grad().clone());
+        const std::vector<at::Tensor> clean = test_support::grad_copies(fsdp.parameters());
         for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
         // A backward cut short in block2: blocks 1 and 0 were prefetched (or are in flight) when it stopped.
         at::Tensor loss = fsdp.loss(batch);
@@ -622,8 +621,7 @@ TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFir
         auto schedule = enable_prefetch(fsdp, depths(2, 2));
         const Batch batch = gpt_batch(c, 0, comm);
         fsdp.loss(batch).backward();
-        std::vector<at::Tensor> clean;
-        for (const auto& p : fsdp.parameters()) clean.push_back(p.grad().clone());
+        const std::vector<at::Tensor> clean = test_support::grad_copies(fsdp.parameters());
         // A forward that throws once block1 is gathered (a user's module failing): blocks 2 and 3 are in flight.
         UnitLog log(fsdp);
         const size_t block1 = 1;
