@@ -586,7 +586,10 @@ void expect_next_step_settles_first(UnitLog& log, FullyShardedModel& fsdp, Commu
         << "parameter " << k << ": the step after " << after << " differs from a clean one";
 }
 
-TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
+// The recovery tests' setting: on 2 ranks, gpt() under FSDP with prefetch 2 deep each way takes a clean step on this
+// rank's slice of batch 0; then `body(comm, fsdp, batch, clean)` runs, `clean` a copy of that step's gradients.
+template <typename Body>
+void after_a_clean_prefetched_step(Body body) {
   const TrainConfig c = gpt();
   run_ranks(
       2,
@@ -594,9 +597,15 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
         FullyShardedModel fsdp(make_model(c, at::kCPU), comm);
         auto schedule = enable_prefetch(fsdp, depths(2, 2));
         const Batch batch = gpt_batch(c, 0, comm);
-        // A clean step's gradients.
         fsdp.loss(batch).backward();
-        const std::vector<at::Tensor> clean = test_support::grad_copies(fsdp.parameters());
+        body(comm, fsdp, batch, test_support::grad_copies(fsdp.parameters()));
+      },
+      test_group());
+}
+
+TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
+  after_a_clean_prefetched_step(
+      [](Communicator& comm, FullyShardedModel& fsdp, const Batch& batch, const std::vector<at::Tensor>& clean) {
         for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
         // A backward cut short in block2: blocks 1 and 0 were prefetched (or are in flight) when it stopped.
         at::Tensor loss = fsdp.loss(batch);
@@ -608,20 +617,12 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
         // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
         UnitLog log(fsdp);
         expect_next_step_settles_first(log, fsdp, comm, batch, clean, "the failure");
-      },
-      test_group());
+      });
 }
 
 TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
-  const TrainConfig c = gpt();
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        FullyShardedModel fsdp(make_model(c, at::kCPU), comm);
-        auto schedule = enable_prefetch(fsdp, depths(2, 2));
-        const Batch batch = gpt_batch(c, 0, comm);
-        fsdp.loss(batch).backward();
-        const std::vector<at::Tensor> clean = test_support::grad_copies(fsdp.parameters());
+  after_a_clean_prefetched_step(
+      [](Communicator& comm, FullyShardedModel& fsdp, const Batch& batch, const std::vector<at::Tensor>& clean) {
         // A forward that throws once block1 is gathered (a user's module failing): blocks 2 and 3 are in flight.
         UnitLog log(fsdp);
         const size_t block1 = 1;
@@ -638,8 +639,7 @@ TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFir
         EXPECT_TRUE(in_flight) << "the throw must leave a prefetch in flight, or this tests nothing";
         // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
         expect_next_step_settles_first(log, fsdp, comm, batch, clean, "the failed forward");
-      },
-      test_group());
+      });
 }
 
 }  // namespace
