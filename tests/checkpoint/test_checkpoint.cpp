@@ -12,8 +12,10 @@
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/parallelize.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
+#include "support/checkpoint_training.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -36,6 +38,8 @@
 namespace shardlab {
 namespace {
 
+using test_support::mlp_config;
+using test_support::train;
 namespace fs = std::filesystem;
 using test_support::test_group;
 
@@ -64,26 +68,6 @@ std::string difference(const std::map<std::string, at::Tensor>& a, const std::ma
   for (const auto& [name, t] : b)
     if (!a.count(name)) return "'" + name + "' is missing from the first";
   return "";
-}
-
-TrainConfig mlp_config() {
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 12;
-  c.seed = 3;
-  return c;
-}
-
-// `steps` steps of `wrapper` (any wrapper with loss()) with `opt`, on this rank's slice of each global batch.
-template <typename Wrapper>
-void train(Wrapper& wrapper, torch::optim::Optimizer& opt, Communicator& comm, const TrainConfig& c, int first,
-           int steps) {
-  auto data = make_dataset(c.model, c.seed);
-  for (int step = first; step < first + steps; ++step) {
-    compat::zero_grad(opt);
-    wrapper.loss(rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size())).backward();
-    opt.step();
-  }
 }
 
 // Bytes per element of a safetensors dtype name.
@@ -270,10 +254,7 @@ TEST(Checkpoint, ResumingContinuesAsTheUninterruptedRun) {
 // bit.
 TEST(Checkpoint, BucketedDdpResumesWithItsRebuiltLayoutBitForBit) {
   TempDir dir("buckets");
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 6;
-  c.seed = 11;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(6).seed(11);
   bucketed_ddp::Options options;
   options.caps = {4 << 10, 16 << 10};  // several buckets, so that the layout matters
   auto layout = [](const bucketed_ddp::BucketedDDP& ddp) {
@@ -335,19 +316,7 @@ TEST(Checkpoint, HsdpWritesOneReplicaAndAnyWrapperLoadsIt) {
       test_group());
   const CheckpointIndex index = read_checkpoint_index(dir / "hsdp");
   EXPECT_EQ(index.files.size(), 2U) << "ranks 0 and 1 (the first replica) write; ranks 2 and 3 hold the same rows";
-  run_ranks(
-      3,
-      [&](Communicator& comm) {
-        auto model = make_model(c.model, c.seed + 5);
-        naive_ddp::NaiveDDP ddp(model, comm);
-        auto opt = make_optimizer("adamw", trainable_parameters(*model), 0.01);
-        ddp.load_checkpoint(dir / "hsdp", opt.get());
-        const auto params = model->parameters();
-        ASSERT_EQ(params.size(), before.size());
-        for (size_t i = 0; i < params.size(); ++i)
-          EXPECT_TRUE(params[i].equal(before[i])) << "rank " << comm.rank() << " parameter " << i;
-      },
-      test_group());
+  test_support::expect_naive_ddp_loads(dir / "hsdp", c, 3, before, "naive DDP at 3");
 }
 
 // What a refused load must leave: every parameter and every optimizer state as it was.

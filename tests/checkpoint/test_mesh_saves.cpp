@@ -9,8 +9,10 @@
 #include "shardlab/course/reference.h"
 #include "shardlab/hsdp/parallelize.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
+#include "support/checkpoint_training.h"
 #include "support/group.h"
 #include "support/temp_dir.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -33,10 +35,7 @@ TEST_P(MeshSave, TheShardedWrapperSavesOneReplicaAndNaiveDdpLoadsItBitForBit) {
   const auto [replicas, shards] = GetParam();
   const std::string shape = std::to_string(replicas) + "x" + std::to_string(shards);
   TempDir dir("mesh_save");
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 12;
-  c.seed = 3;
+  const TrainConfig c = test_support::mlp_config();
   std::vector<at::Tensor> before;
   run_world(
       replicas * shards,
@@ -47,10 +46,7 @@ TEST_P(MeshSave, TheShardedWrapperSavesOneReplicaAndNaiveDdpLoadsItBitForBit) {
         EXPECT_EQ(dp->sharded()->mesh_info().replicas(), replicas);
         EXPECT_EQ(dp->sharded()->mesh_info().replica(), mesh.replica_index());
         auto opt = make_optimizer("adamw", dp->parameters(), 0.01);
-        auto data = make_dataset(c.model, c.seed);
-        compat::zero_grad(*opt);
-        dp->loss(rank_slice(data->global_batch(0, c.global_batch), world.rank(), world.size())).backward();
-        opt->step();
+        test_support::train(*dp, *opt, world.world(), c, 0, 1);
         dp->sharded()->save_checkpoint(dir / "ckpt", opt.get(), {{"mesh", shape}});  // not DataParallel's
         auto full = dp->full_parameters();
         if (world.rank() == 0) before = full;
@@ -61,21 +57,7 @@ TEST_P(MeshSave, TheShardedWrapperSavesOneReplicaAndNaiveDdpLoadsItBitForBit) {
       << shape << ": the first replica's " << shards << " ranks write, the other replicas hold the same rows";
   EXPECT_EQ(index.world_size, replicas * shards) << shape << ": the whole mesh agreed on the save";
   EXPECT_EQ(index.metadata.at("mesh"), shape);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model(c.model, c.seed + 5);
-        naive_ddp::NaiveDDP ddp(model, comm);
-        auto opt = make_optimizer("adamw", trainable_parameters(*model), 0.01);
-        ddp.load_checkpoint(dir / "ckpt", opt.get());
-        const auto params = model->parameters();
-        ASSERT_EQ(params.size(), before.size());
-        for (size_t i = 0; i < params.size(); ++i)
-          EXPECT_TRUE(params[i].equal(before[i]))
-              << shape << ", rank " << comm.rank() << ": parameter " << i << " differs by "
-              << (params[i] - before[i]).abs().max().item<double>();
-      },
-      test_group());
+  test_support::expect_naive_ddp_loads(dir / "ckpt", c, 2, before, shape);
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, MeshSave, ::testing::Values(std::make_pair(1, 4), std::make_pair(2, 2)),

@@ -4,6 +4,7 @@
 #include "shardlab/core/comm/thread_ranks.h"
 #include "support/device.h"
 #include "support/group.h"
+#include "support/param_name.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -196,11 +197,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld,
                          ::testing::Values(GroupCase{1, BackendKind::kGloo}, GroupCase{2, BackendKind::kGloo},
                                            GroupCase{3, BackendKind::kGloo}, GroupCase{4, BackendKind::kGloo},
                                            GroupCase{1, BackendKind::kNccl}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 }  // namespace
 }  // namespace shardlab

@@ -4,6 +4,8 @@
 #include "shardlab/course/models.h"
 #include "shardlab/course/reference.h"
 
+#include "support/train_config.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -137,10 +139,7 @@ TEST(Data, CorpusIsShippedAscii) {
 }
 
 TEST(Reference, IsDeterministicAndLearns) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 30;
-  c.global_batch = 32;
+  TrainConfig c = test_support::config("mlp").steps(30).global_batch(32);
   auto a = train_reference(c), b = train_reference(c);
   EXPECT_EQ(max_abs_diff(a.params, b.params), 0.0);
   std::cout << "mlp sgd loss " << a.losses.front() << " -> " << a.losses.back() << "\n";

@@ -12,7 +12,10 @@
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/no_sync.h"
+#include "support/param_name.h"
 #include "support/refusal.h"
+#include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 #include "support/watched_backend.h"
 
@@ -30,8 +33,6 @@ namespace {
 
 using test_support::test_group;
 
-constexpr double kRtol = 1e-5, kAtol = 1e-6;
-
 // One rank's training through NaiveDDP (see test_support::train_replica); returns the final parameters.
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c) {
   auto model = make_model(c.model, c.seed, device_of(c));
@@ -45,12 +46,8 @@ void expect_matches_reference(int world, const TrainConfig& c, const GroupOption
   std::vector<std::vector<at::Tensor>> finals(world);
   run_ranks(
       world, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c); }, group);
-  for (int r = 0; r < world; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << c.model << "/" << c.optimizer << " world " << world << " micro " << c.micro_batches << " rank " << r
-              << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params, c.model + "/" + c.optimizer, "world", world, "micro",
+                                   c.micro_batches);
 }
 
 struct EquivalenceCase {
@@ -66,15 +63,8 @@ class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
 
 TEST_P(Equivalence, MatchesSingleDeviceReference) {
   const auto& e = GetParam();
-  TrainConfig c;
-  c.model = e.model;
-  c.optimizer = e.optimizer;
-  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 6;
-  c.global_batch = 12;  // divides by 1, 2, 3, 4 and by every micro-batch count used below
-  c.micro_batches = e.micro;
-  c.seed = 11;
-  c.device = test_support::device_name();
+  // The global batch divides by 1, 2, 3, 4 and by every micro-batch count used below
+  TrainConfig c = test_support::equivalence_config(e.model, e.optimizer, e.micro).steps(6).global_batch(12).seed(11);
   expect_matches_reference(e.world, c);
 }
 
@@ -83,14 +73,13 @@ TEST_P(Equivalence, MatchesSingleDeviceReference) {
 // the tiny GPT's near-zero gradients make AdamW's parameters drift (Note [Comparing with one device]).
 TEST(NeedsAGpu, NaiveDdpOnNcclWorldOneMatchesSingleDevice) {
   if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.optimizer = "sgd";
-  c.lr = 0.05;
-  c.steps = 4;
-  c.global_batch = 8;
-  c.micro_batches = 2;
-  c.device = "cuda:0";
+  TrainConfig c = test_support::config("tiny_gpt")
+                      .optimizer("sgd")
+                      .lr(0.05)
+                      .steps(4)
+                      .global_batch(8)
+                      .micro_batches(2)
+                      .device("cuda:0");
   GroupOptions group = test_group();
   group.kind = BackendKind::kNccl;
   expect_matches_reference(1, c, group);
@@ -116,11 +105,7 @@ std::vector<EquivalenceCase> equivalence_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage01, Equivalence, ::testing::ValuesIn(equivalence_cases()), [](const auto& info) {
-  std::ostringstream s;
-  s << info.param;
-  return s.str();
-});
+INSTANTIATE_TEST_SUITE_P(Stage01, Equivalence, ::testing::ValuesIn(equivalence_cases()), test_support::StreamedName());
 
 TEST(NaiveDDP, RanksStartFromDifferentWeightsAndHoldRankZerosAfterConstruction) {
   const int world = 3;
@@ -253,10 +238,7 @@ TEST(NaiveDDP, OneAllReducePerParameterThatReceivedAGradientAndNoneForFrozen) {
 // collective runs, every rank gets the same norm, and training with a bound that binds matches the clipped single
 // device, in the 2-norm and the max norm. Inside no_sync the gradients are a rank's own: refused.
 TEST(NaiveDDP, ClippingMatchesTheClippedSingleDeviceWithoutACollective) {
-  TrainConfig base;
-  base.model = "mlp";
-  base.steps = 4;
-  base.micro_batches = 2;
+  TrainConfig base = test_support::config("mlp").steps(4).micro_batches(2);
   for (const double p : {2.0, test_support::kInfNorm})
     expect_matches_reference(2, test_support::binding_clip(base, 0.01, p));
   std::vector<double> norms(2);

@@ -11,7 +11,9 @@
 #include "support/device.h"
 #include "support/group.h"
 #include "support/no_sync.h"
+#include "support/param_name.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -53,15 +55,8 @@ class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
 
 TEST_P(Equivalence, MatchesSingleDeviceReference) {
   const auto& e = GetParam();
-  TrainConfig c;
-  c.model = e.model;
-  c.optimizer = e.optimizer;
-  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 5;  // step 1 rebuilds the buckets: later steps run on the rebuilt layout
-  c.global_batch = 12;
-  c.micro_batches = e.micro;
-  c.seed = 11;
-  c.device = test_support::device_name();
+  // 5 steps: step 1 rebuilds the buckets, later steps run on the rebuilt layout
+  TrainConfig c = test_support::equivalence_config(e.model, e.optimizer, e.micro).steps(5).global_batch(12).seed(11);
   Options options;
   options.caps = e.buckets > 0 ? mlp_caps(e.buckets) : e.model == "edge" ? BucketCaps{64, 128} : BucketCaps{2048, 8192};
   options.find_unused_parameters = e.find_unused;
@@ -97,23 +92,13 @@ std::vector<EquivalenceCase> equivalence_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_cases()), [](const auto& info) {
-  std::ostringstream s;
-  s << info.param;
-  return s.str();
-});
+INSTANTIATE_TEST_SUITE_P(Stage02, Equivalence, ::testing::ValuesIn(equivalence_cases()), test_support::StreamedName());
 
 // World size 1 on NCCL (one GPU hosts one NCCL rank): CUDA tensors, the rebuild broadcast included.
 TEST(NeedsAGpu, BucketedDdpOnNcclWorldOneMatchesSingleDevice) {
   if (!test_support::nccl_usable()) GTEST_SKIP() << "needs a CUDA libtorch with NCCL and a GPU";
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 4;
-  c.global_batch = 8;
-  c.micro_batches = 2;
-  c.device = "cuda:0";
-  Options options;
-  options.caps = {2048, 8192};
+  TrainConfig c = test_support::config("tiny_gpt").steps(4).global_batch(8).micro_batches(2).device("cuda:0");
+  const Options options = test_support::with_caps(test_support::gpt_caps());
   GroupOptions group = test_group();
   group.kind = BackendKind::kNccl;
   const ReferenceResult ref = train_reference(c);
@@ -130,11 +115,7 @@ TEST(NeedsAGpu, BucketedDdpOnNcclWorldOneMatchesSingleDevice) {
 // libtorch 2.x's zero_grad() drops every .grad; a user may call it between the forward and backward. The
 // gradients then arrive in new tensors, and must still be averaged (moved into their slots when they arrive).
 TEST(BucketedDDP, GradientsDroppedBetweenForwardAndBackwardAreStillAveraged) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 3;
-  c.global_batch = 8;
-  c.seed = 4;
+  TrainConfig c = test_support::config("mlp").steps(3).global_batch(8).seed(4);
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(2);
   run_ranks(
@@ -158,11 +139,7 @@ TEST(BucketedDDP, GradientsDroppedBetweenForwardAndBackwardAreStillAveraged) {
         finals[comm.rank()] = model->parameters();
       },
       test_group());
-  for (int r = 0; r < 2; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << "rank " << r << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params);
 }
 
 TEST(BucketedDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesAndFrozenParametersStayOut) {
@@ -179,9 +156,7 @@ TEST(BucketedDDP, NoSyncSkipsCommunicationThenTheNextBackwardAveragesAndFrozenPa
 // Clipping after the buckets' averages (BucketedDDP::clip_grad_norm): no collective; a bound that binds trains
 // like the clipped single device, in the 2-norm and the max norm, with three buckets.
 TEST(BucketedDDP, ClippingMatchesTheClippedSingleDevice) {
-  TrainConfig base;
-  base.model = "mlp";
-  base.steps = 4;
+  TrainConfig base = test_support::config("mlp").steps(4);
   for (const double p : {2.0, test_support::kInfNorm}) {
     const TrainConfig c = test_support::binding_clip(base, 0.01, p);
     const ReferenceResult ref = train_reference(c);
@@ -190,11 +165,7 @@ TEST(BucketedDDP, ClippingMatchesTheClippedSingleDevice) {
     std::vector<std::vector<at::Tensor>> finals(2);
     run_ranks(
         2, [&](Communicator& comm) { finals[comm.rank()] = train_rank(comm, c, options); }, test_group());
-    for (int r = 0; r < 2; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, "p", p);
   }
 }
 

@@ -36,16 +36,11 @@ TEST(BucketedDDP, OneAllReducePerBucketOfTheBucketsSizeInOrder) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = make_model("tiny_gpt", 3);
-        Options options;
-        options.caps = {2048, 8192};
-        BucketedDDP ddp(model, comm, options);
-        auto data = make_dataset("tiny_gpt", 3);
-        auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
+        test_support::GptUnderDdp gpt(comm, 3);
         for (int step = 0; step < 3; ++step) {
-          compat::zero_grad(*opt);
+          compat::zero_grad(*gpt.opt);
           const size_t mark = comm.recorder().size();
-          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2));
+          at::Tensor loss = gpt.ddp.loss(rank_slice(gpt.data->global_batch(step, 4), comm.rank(), 2));
           const size_t after_forward = comm.recorder().size();
           loss.backward();
           const auto forward_recs = comm.recorder().since(mark);
@@ -53,11 +48,11 @@ TEST(BucketedDDP, OneAllReducePerBucketOfTheBucketsSizeInOrder) {
           if (step == 1) {
             ASSERT_EQ(after_forward - mark, 1u) << "the rebuild broadcasts the order once";
             EXPECT_EQ(forward_recs[0].op, "broadcast");
-            EXPECT_EQ(forward_recs[0].numel, static_cast<int64_t>(ddp.parameters().size()));
+            EXPECT_EQ(forward_recs[0].numel, static_cast<int64_t>(gpt.ddp.parameters().size()));
           } else {
             EXPECT_EQ(after_forward, mark) << "no collective in the forward of step " << step;
           }
-          const auto& buckets = ddp.buckets();
+          const auto& buckets = gpt.ddp.buckets();
           ASSERT_EQ(recs.size(), buckets.size()) << "step " << step;
           for (size_t b = 0; b < buckets.size(); ++b) {
             EXPECT_EQ(recs[b].op, "all_reduce");
@@ -69,12 +64,12 @@ TEST(BucketedDDP, OneAllReducePerBucketOfTheBucketsSizeInOrder) {
           if (comm.rank() == 0)
             std::cout << "step " << step << ": " << recs.size() << " all-reduces for " << buckets.size()
                       << " buckets\n";
-          opt->step();
+          gpt.opt->step();
         }
         int64_t total = 0;
-        for (const auto& b : ddp.buckets()) total += b.numel;
+        for (const auto& b : gpt.ddp.buckets()) total += b.numel;
         int64_t expected = 0;
-        for (const auto& p : trainable_parameters(*model)) expected += p.numel();
+        for (const auto& p : trainable_parameters(*gpt.model)) expected += p.numel();
         EXPECT_EQ(total, expected) << "every trainable parameter is in exactly one bucket";
       },
       test_group());
@@ -84,25 +79,21 @@ TEST(BucketedDDP, FirstBucketStartsBeforeBackwardEnds) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = make_model("tiny_gpt", 4);
-        Options options;
-        options.caps = {4096, 16384};
-        BucketedDDP ddp(model, comm, options);
-        auto data = make_dataset("tiny_gpt", 4);
-        ASSERT_GE(ddp.buckets().size(), 3u);
+        test_support::GptUnderDdp gpt(comm, 4, {4096, 16384});
+        ASSERT_GE(gpt.ddp.buckets().size(), 3u);
         for (int step = 0; step < 3; ++step) {
           const size_t mark = comm.recorder().size();
-          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2));
+          at::Tensor loss = gpt.ddp.loss(rank_slice(gpt.data->global_batch(step, 8), comm.rank(), 2));
           const size_t start = comm.recorder().size();
           loss.backward();
           (void)mark;
           const auto recs = comm.recorder().since(start);
           ASSERT_FALSE(recs.empty());
-          const int64_t lead = ddp.backward_compute_end_ns() - recs.front().start_ns;
+          const int64_t lead = gpt.ddp.backward_compute_end_ns() - recs.front().start_ns;
           if (comm.rank() == 0)
             std::cout << "step " << step << ": first bucket's all-reduce started " << lead / 1000.0
                       << " us before backward finished computing (" << recs.size() << " buckets)\n";
-          EXPECT_LT(recs.front().start_ns, ddp.backward_compute_end_ns())
+          EXPECT_LT(recs.front().start_ns, gpt.ddp.backward_compute_end_ns())
               << "the first bucket must be launched during backward, not after it";
           EXPECT_LT(recs.front().start_ns, recs.back().start_ns);
         }

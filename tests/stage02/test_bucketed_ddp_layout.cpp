@@ -124,9 +124,7 @@ TEST(BucketedDDP, LayoutGivesEveryGradientItsSlotInItsBucketsSlice) {
         auto model = make_model("tiny_gpt", 6, test_support::device());
         const auto params = trainable_parameters(*model);
         params[1].mutable_grad() = at::full_like(params[1], 0.25);  // a gradient from before the wrap
-        Options options;
-        options.caps = {2048, 8192};
-        BucketedDDP ddp(model, comm, options);
+        BucketedDDP ddp(model, comm, test_support::with_caps(test_support::gpt_caps()));
         ASSERT_GT(ddp.buckets().size(), 2u);
         const at::Tensor buffer = ddp.grad_buffer(at::kFloat);
         ASSERT_TRUE(buffer.defined());
@@ -230,50 +228,47 @@ TEST(BucketedDDP, GradientsAreViewsIntoTheFlatBuffer) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = make_model("tiny_gpt", 5);
-        Options options;
-        options.caps = {2048, 8192};
-        BucketedDDP ddp(model, comm, options);
-        auto data = make_dataset("tiny_gpt", 5);
-        auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
-        const at::Tensor buffer = ddp.grad_buffer(at::kFloat);
+        test_support::GptUnderDdp gpt(comm, 5);
+        const at::Tensor buffer = gpt.ddp.grad_buffer(at::kFloat);
         ASSERT_TRUE(buffer.defined());
         auto check = [&](const char* when) {
-          const at::Tensor buf = ddp.grad_buffer(at::kFloat);
+          const at::Tensor buf = gpt.ddp.grad_buffer(at::kFloat);
           const auto* begin = static_cast<const char*>(buf.data_ptr());
           const auto* end = begin + buf.numel() * buf.element_size();
-          for (size_t i = 0; i < ddp.parameters().size(); ++i) {
-            const at::Tensor g = ddp.parameters()[i].grad();
-            ASSERT_TRUE(g.defined()) << when << ": " << ddp.parameter_names()[i];
-            EXPECT_TRUE(g.is_alias_of(buf)) << when << ": " << ddp.parameter_names()[i];
+          for (size_t i = 0; i < gpt.ddp.parameters().size(); ++i) {
+            const at::Tensor g = gpt.ddp.parameters()[i].grad();
+            ASSERT_TRUE(g.defined()) << when << ": " << gpt.ddp.parameter_names()[i];
+            EXPECT_TRUE(g.is_alias_of(buf)) << when << ": " << gpt.ddp.parameter_names()[i];
             const auto* p = static_cast<const char*>(g.data_ptr());
             EXPECT_TRUE(p >= begin && p + g.numel() * g.element_size() <= end) << when;
           }
         };
         check("after construction");
         for (int step = 0; step < 3; ++step) {
-          compat::zero_grad(*opt);
-          ddp.loss(rank_slice(data->global_batch(step, 4), comm.rank(), 2)).backward();
+          compat::zero_grad(*gpt.opt);
+          gpt.ddp.loss(rank_slice(gpt.data->global_batch(step, 4), comm.rank(), 2)).backward();
           check("after backward");
           // layout: bucket b's slice is exactly its parameters' gradients, in bucket order (same memory)
-          for (const auto& b : ddp.buckets()) {
+          for (const auto& b : gpt.ddp.buckets()) {
             int64_t at = 0;
             for (size_t i : b.params) {
-              const at::Tensor g = ddp.parameters()[i].grad();
+              const at::Tensor g = gpt.ddp.parameters()[i].grad();
               EXPECT_TRUE(at::equal(b.flat.narrow(0, at, g.numel()), g.reshape({-1})));
               at += g.numel();
             }
           }
-          opt->step();
+          gpt.opt->step();
         }
         // Something drops a .grad (libtorch 2.x zero_grad sets them to None): the next forward re-attaches a view.
-        at::Tensor& g0 = ddp.parameters()[0].mutable_grad();
+        at::Tensor& g0 = gpt.ddp.parameters()[0].mutable_grad();
         g0 = at::Tensor();
-        ddp.parameters()[1].mutable_grad() = at::ones_like(ddp.parameters()[1]);
-        ddp.loss(rank_slice(data->global_batch(3, 4), comm.rank(), 2));
+        gpt.ddp.parameters()[1].mutable_grad() = at::ones_like(gpt.ddp.parameters()[1]);
+        gpt.ddp.loss(rank_slice(gpt.data->global_batch(3, 4), comm.rank(), 2));
         check("after a .grad was dropped and another replaced");
-        EXPECT_EQ(ddp.parameters()[0].grad().abs().sum().item<double>(), 0.0) << "a dropped grad comes back as zeros";
-        EXPECT_EQ(ddp.parameters()[1].grad().sum().item<double>(), static_cast<double>(ddp.parameters()[1].numel()))
+        EXPECT_EQ(gpt.ddp.parameters()[0].grad().abs().sum().item<double>(), 0.0)
+            << "a dropped grad comes back as zeros";
+        EXPECT_EQ(gpt.ddp.parameters()[1].grad().sum().item<double>(),
+                  static_cast<double>(gpt.ddp.parameters()[1].numel()))
             << "a replaced grad keeps its value";
       },
       test_group());

@@ -7,6 +7,8 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "stage02/bucketed_ddp_support.h"
+#include "support/gradients.h"
 #include "support/group.h"
 
 #include <ATen/ATen.h>
@@ -162,38 +164,33 @@ TEST(CapTuning, BucketedDDPProfilesItsBackwardAndTakesNewCaps) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = make_model("tiny_gpt", 12);
-        Options options;
-        options.caps = {2048, 8192};
-        BucketedDDP ddp(model, comm, options);
-        EXPECT_TRUE(ddp.last_backward_profile().params.empty()) << "no backward yet";
-        EXPECT_THROW(ddp.set_caps({1 << 20, 1 << 20}), std::logic_error) << "no ready order yet";
-        auto data = make_dataset("tiny_gpt", 12);
-        auto opt = make_optimizer("sgd", trainable_parameters(*model), 0.05);
+        test_support::GptUnderDdp gpt(comm, 12);
+        EXPECT_TRUE(gpt.ddp.last_backward_profile().params.empty()) << "no backward yet";
+        EXPECT_THROW(gpt.ddp.set_caps({1 << 20, 1 << 20}), std::logic_error) << "no ready order yet";
         auto step = [&](int s) {
-          opt->zero_grad();
-          ddp.loss(rank_slice(data->global_batch(s, 8), comm.rank(), 2)).backward();
-          opt->step();
+          gpt.opt->zero_grad();
+          gpt.ddp.loss(rank_slice(gpt.data->global_batch(s, 8), comm.rank(), 2)).backward();
+          gpt.opt->step();
         };
         step(0);
-        const BackwardProfile p = ddp.last_backward_profile();
-        ASSERT_EQ(p.params.size(), ddp.parameters().size());
+        const BackwardProfile p = gpt.ddp.last_backward_profile();
+        ASSERT_EQ(p.params.size(), gpt.ddp.parameters().size());
         for (size_t k = 1; k < p.order.size(); ++k)
           EXPECT_LE(p.ready_ns[p.order[k - 1]], p.ready_ns[p.order[k]]) << "ready times follow the ready order";
         EXPECT_LE(p.ready_ns[p.order.back()], p.end_ns);
-        const size_t before = ddp.buckets().size();
-        std::vector<at::Tensor> grads;
-        for (const auto& p : ddp.parameters()) grads.push_back(p.grad().clone());
-        ddp.set_caps({1 << 20, 1 << 20});
-        EXPECT_EQ(ddp.buckets().size(), before) << "nothing changes before the next forward";
-        ddp.loss(rank_slice(data->global_batch(1, 8), comm.rank(), 2));  // lays the buckets out again
-        ASSERT_EQ(ddp.buckets().size(), 1u);
+        const size_t before = gpt.ddp.buckets().size();
+        const std::vector<at::Tensor> grads = test_support::grad_copies(gpt.ddp.parameters());
+        gpt.ddp.set_caps({1 << 20, 1 << 20});
+        EXPECT_EQ(gpt.ddp.buckets().size(), before) << "nothing changes before the next forward";
+        gpt.ddp.loss(rank_slice(gpt.data->global_batch(1, 8), comm.rank(), 2));  // lays the buckets out again
+        ASSERT_EQ(gpt.ddp.buckets().size(), 1u);
         for (size_t i = 0; i < grads.size(); ++i)
-          EXPECT_TRUE(at::equal(ddp.parameters()[i].grad(), grads[i])) << "gradient " << i << " survives the re-layout";
-        if (comm.rank() == 0) EXPECT_EQ(ddp.buckets()[0].params, p.order) << "laid out in rank 0's ready order";
+          EXPECT_TRUE(at::equal(gpt.ddp.parameters()[i].grad(), grads[i]))
+              << "gradient " << i << " survives the re-layout";
+        if (comm.rank() == 0) EXPECT_EQ(gpt.ddp.buckets()[0].params, p.order) << "laid out in rank 0's ready order";
         step(1);
-        EXPECT_EQ(ddp.buckets().size(), 1u) << "caps of 1 MiB hold the whole tiny GPT";
-        EXPECT_EQ(ddp.caps().first_bytes, 1 << 20);
+        EXPECT_EQ(gpt.ddp.buckets().size(), 1u) << "caps of 1 MiB hold the whole tiny GPT";
+        EXPECT_EQ(gpt.ddp.caps().first_bytes, 1 << 20);
         if (comm.rank() == 0)
           std::cout << before << " buckets, then 1 after set_caps; ready times span "
                     << (p.ready_ns[p.order.back()] - p.ready_ns[p.order.front()]) / 1e3 << " us\n";

@@ -11,6 +11,8 @@
 #include "support/counting_allocator.h"
 #include "support/device.h"
 #include "support/group.h"
+#include "support/param_name.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -124,15 +126,8 @@ std::ostream& operator<<(std::ostream& os, const TrainCase& t) {
 }
 
 TrainConfig config_for(const TrainCase& t) {
-  TrainConfig c;
-  c.model = t.model;
-  c.optimizer = t.optimizer;
-  c.lr = t.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 4;
-  c.global_batch = 24;  // divides by 2, 3, 4 ranks, and then by 2 micro-batches
-  c.micro_batches = t.micro;
-  c.seed = 21;
-  c.device = test_support::device_name();
+  // The global batch divides by 2, 3, 4 ranks, and then by 2 micro-batches
+  TrainConfig c = test_support::equivalence_config(t.model, t.optimizer, t.micro).steps(4).global_batch(24).seed(21);
   return c;
 }
 
@@ -168,11 +163,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, AllReduceHookBitExact,
                          ::testing::Values(TrainCase{"mlp", "adamw", 2, 1}, TrainCase{"mlp", "sgd", 4, 2},
                                            TrainCase{"mlp", "adamw", 3, 1}, TrainCase{"tiny_gpt", "sgd", 2, 1},
                                            TrainCase{"tiny_gpt", "sgd", 3, 2}, TrainCase{"tiny_gpt", "sgd", 4, 1}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // ---------------------------------------------------------------------------------------------------------------
 // 3a. Low-precision hooks compute exactly what the casts say

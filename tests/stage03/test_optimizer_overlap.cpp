@@ -12,6 +12,8 @@
 #include "support/device.h"
 #include "support/gradients.h"
 #include "support/group.h"
+#include "support/param_name.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -42,15 +44,8 @@ std::ostream& operator<<(std::ostream& os, const OverlapCase& c) {
 }
 
 TrainConfig config_of(const OverlapCase& o) {
-  TrainConfig c;
-  c.model = o.model;
-  c.optimizer = o.optimizer;
-  c.lr = o.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 4;  // step 1 rebuilds the buckets: the overlap must survive a new layout
-  c.global_batch = 12;
-  c.micro_batches = o.micro;
-  c.seed = 21;
-  c.device = test_support::device_name();
+  // 4 steps: step 1 rebuilds the buckets, and the overlap must survive a new layout
+  TrainConfig c = test_support::equivalence_config(o.model, o.optimizer, o.micro).steps(4).global_batch(12).seed(21);
   return c;
 }
 
@@ -137,11 +132,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, OptimizerOverlap,
                                            OverlapCase{"tiny_gpt", "sgd", "", 2, 3},
                                            OverlapCase{"tiny_gpt", "adamw", "allreduce", 2, 2},
                                            OverlapCase{"mlp", "sgd", "fp16", 2, 1}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // Order: per synchronized backward one step per bucket, in bucket order, each stepping exactly its bucket's
 // parameters and starting after that bucket's all-reduce completed (the record's end is stamped before the

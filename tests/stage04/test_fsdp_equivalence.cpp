@@ -11,7 +11,10 @@
 #include "support/clipping.h"
 #include "support/device.h"
 #include "support/fsdp_case.h"
+#include "support/gradients.h"
+#include "support/param_name.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -40,34 +43,13 @@ class Equivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Equivalence, MatchesSingleDeviceReference) {
   const Case& e = GetParam();
-  TrainConfig c;
-  c.model = e.model;
-  c.optimizer = e.optimizer;
-  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 4;
-  c.global_batch = 12 % (e.world * e.micro) == 0 ? 12 : 4 * e.world * e.micro;
-  c.micro_batches = e.micro;
-  c.seed = 13;
-  c.device = test_support::device_name();
-  Options options;
-  options.reshard_after_forward = e.raf;
-  options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
-  const ReferenceResult ref = train_reference(c);
-  std::vector<std::vector<at::Tensor>> finals(e.world);
-  run_ranks(
-      e.world,
-      [&](Communicator& comm) {
-        auto model = make_model(c, device_of(c));
-        FullyShardedModel fsdp(model, comm, options);
-        test_support::train_steps(comm, c, fsdp.parameters(), device_of(c), fsdp);
-        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
-      },
-      test_group());
-  for (int r = 0; r < e.world; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << e << " rank " << r << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-  }
+  TrainConfig c = test_support::equivalence_config(e.model, e.optimizer, e.micro)
+                      .steps(4)
+                      .global_batch(12 % (e.world * e.micro) == 0 ? 12 : 4 * e.world * e.micro)
+                      .seed(13);
+  test_support::expect_case_trains_like_one_device(e, c, device_of(c), [&](Communicator& comm, const Options& o) {
+    return FullyShardedModel(make_model(c, device_of(c)), comm, o);
+  });
 }
 
 std::vector<Case> cases() {
@@ -78,22 +60,14 @@ std::vector<Case> cases() {
           {"edge", "sgd", 4, 1, true}};
 }
 
-INSTANTIATE_TEST_SUITE_P(Stage04, Equivalence, ::testing::ValuesIn(cases()), [](const auto& info) {
-  std::ostringstream s;
-  s << info.param;
-  return s.str();
-});
+INSTANTIATE_TEST_SUITE_P(Stage04, Equivalence, ::testing::ValuesIn(cases()), test_support::StreamedName());
 
 // Clipping the shards by the whole model's norm (FullyShardedModel::clip_grad_norm, Note [A norm over shards]):
 // one all-reduce of one double per call (SUM of |g|^p; MAX for the max norm), the same norm on every rank as the
 // single device's full gradient (rtol 1e-6: the shards' gradients differ from one device's by the reductions'
 // rounding), and training with a bound that binds matches the clipped single device (3 ranks: padded shards).
 TEST(FullyShardedModel, ClippingJoinsTheShardsNormsInOneAllReduceAndMatchesTheClippedSingleDevice) {
-  TrainConfig base;
-  base.model = "tiny_gpt";
-  base.steps = 3;
-  base.global_batch = 6;
-  base.seed = 13;
+  TrainConfig base = test_support::config("tiny_gpt").steps(3).global_batch(6).seed(13);
   const int world = 3;
   for (const double p : {2.0, test_support::kInfNorm}) {
     const TrainConfig c = test_support::binding_clip(base, 0.05, p);
@@ -134,11 +108,7 @@ TEST(FullyShardedModel, ClippingJoinsTheShardsNormsInOneAllReduceAndMatchesTheCl
           finals[comm.rank()] = on_cpu(fsdp.full_parameters());
         },
         test_group());
-    for (int r = 0; r < world; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, "p", p);
   }
 }
 
@@ -190,8 +160,7 @@ TEST(FullyShardedModel, AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGlooTe
   }
   Net reference;
   reference.loss(global).backward();
-  std::vector<at::Tensor> ref_grads;
-  for (const auto& p : reference.parameters()) ref_grads.push_back(p.grad().clone());
+  const std::vector<at::Tensor> ref_grads = test_support::grad_copies(reference.parameters());
 
   for (int world : {2, 4}) {
     std::vector<std::vector<at::Tensor>> grads(world);
@@ -206,7 +175,7 @@ TEST(FullyShardedModel, AParameterUnusedOnOneRankOnlyTrainsLikeOneDeviceOnGlooTe
           const size_t start = comm.recorder().size();
           fsdp.loss(rank_slice(global, comm.rank(), world)).backward();
           for (const auto& r : comm.recorder().since(start)) ops[comm.rank()].push_back(r.op + " " + r.wire_op);
-          for (const auto& p : fsdp.parameters()) grads[comm.rank()].push_back(p.grad().clone());
+          grads[comm.rank()] = test_support::grad_copies(fsdp.parameters());
         },
         test_group());
     // The ops interleave differently: rank 0 reduces `gated` before gathering `first` for its backward, a rank

@@ -10,8 +10,10 @@
 #include "shardlab/course/reference.h"
 
 #include "support/failing_backend.h"
+#include "support/gradients.h"
 #include "support/refusal.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -29,15 +31,11 @@
 namespace shardlab::fsdp {
 namespace {
 
-using test_support::kAtol;
-using test_support::kRtol;
 using test_support::on_cpu;
 using test_support::test_group;
 
 TEST(FullyShardedModel, AnUnusedParameterIsAnErrorNamingItAndNoRankHangs) {
-  TrainConfig c;
-  c.model = "edge";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("edge").global_batch(4);
   std::vector<std::string> errors(2);
   run_ranks(
       2,
@@ -117,9 +115,7 @@ TEST(FullyShardedModel, AfterAFailedAllGatherTheWrapperRefusesFurtherUseAndSends
 // A backward that throws halfway (here: a hook on block 0's output, after the later blocks' gradients came) must
 // leave nothing behind: the next step, after the optimizer's zero_grad, gives the same gradients as a clean one.
 TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   std::vector<std::vector<at::Tensor>> clean(2), after_abort(2);
   run_ranks(
       2,
@@ -142,9 +138,7 @@ TEST(FullyShardedModel, ABackwardThatThrowsLeavesNothingForTheNextStep) {
               if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
           }
           fsdp.loss(rank_slice(data->global_batch(1, c.global_batch), comm.rank(), 2)).backward();
-          std::vector<at::Tensor> grads;
-          for (const auto& p : fsdp.parameters()) grads.push_back(p.grad().clone());
-          (abort ? after_abort : clean)[comm.rank()] = grads;
+          (abort ? after_abort : clean)[comm.rank()] = test_support::grad_copies(fsdp.parameters());
           for (const auto& unit : fsdp.units())
             for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
         }
@@ -269,11 +263,7 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFi
         finals[comm.rank()] = on_cpu(fsdp.full_parameters());
       },
       test_group());
-  for (int r = 0; r < 2; ++r) {
-    const double diff = max_abs_diff(finals[r], on_cpu(ref->parameters()));
-    std::cout << "shared module in the root, rank " << r << ": max |param - reference| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], on_cpu(ref->parameters()), kRtol, kAtol)) << "rank " << r << " diff " << diff;
-  }
+  test_support::expect_ranks_match(finals, on_cpu(ref->parameters()), "shared module in the root,");
 }
 
 }  // namespace

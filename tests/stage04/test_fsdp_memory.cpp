@@ -9,6 +9,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -32,9 +33,7 @@ using test_support::on_cpu;
 using test_support::test_group;
 
 TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   run_ranks(
       2,
       [&](Communicator& comm) {
@@ -249,9 +248,7 @@ TEST(FullyShardedModel, AUnitIsGatheredWhileItsForwardAndItsBackwardRun) {
 }
 
 TEST(FullyShardedModel, EvaluationGathersAndFreesWithoutBackward) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   run_ranks(
       2,
       [&](Communicator& comm) {

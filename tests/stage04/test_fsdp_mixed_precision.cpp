@@ -7,6 +7,8 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/mixed_precision.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -26,21 +28,14 @@ using test_support::on_cpu;
 using test_support::test_group;
 
 TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 3;
-  c.global_batch = 8;
-  c.micro_batches = 2;
+  TrainConfig c = test_support::config("mlp").steps(3).global_batch(8).micro_batches(2);
   const ReferenceResult ref = train_reference(c);
   std::vector<at::Tensor> finals;
   run_ranks(
       2,
       [&](Communicator& comm) {
         auto model = make_model(c, at::kCPU);
-        Options options;
-        options.mixed_precision.param_dtype = at::kBFloat16;
-        options.mixed_precision.reduce_dtype = at::kFloat;
-        FullyShardedModel fsdp(model, comm, options);
+        FullyShardedModel fsdp(model, comm, test_support::bf16_compute_f32_reduce());
         for (const auto& unit : fsdp.units()) {
           EXPECT_EQ(unit->dtypes().param, at::kBFloat16);
           EXPECT_EQ(unit->dtypes().reduce, at::kFloat);
@@ -130,11 +125,7 @@ TEST(FullyShardedModel, MixedPrecisionClampsAsFsdp2) {
 // of the two differs from one bf16 backward over the whole batch by bf16 rounding, no more.
 TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) {
   for (int micro : {1, 2}) {  // 2: micro-batch gradients are accumulated in f32 (the reduce dtype) between them
-    TrainConfig c;
-    c.model = "mlp";
-    c.steps = 3;
-    c.global_batch = 8;
-    c.micro_batches = micro;
+    TrainConfig c = test_support::config("mlp").steps(3).global_batch(8).micro_batches(micro);
     auto master = make_model(c, at::kCPU);
     auto compute = make_model(c, at::kCPU);
     compute->to(at::kBFloat16);
@@ -170,10 +161,7 @@ TEST(FullyShardedModel, MixedPrecisionMatchesAReferenceThatAppliesTheSameCasts) 
           world,
           [&](Communicator& comm) {
             auto model = make_model(c, at::kCPU);
-            Options options;
-            options.mixed_precision.param_dtype = at::kBFloat16;
-            options.mixed_precision.reduce_dtype = at::kFloat;
-            FullyShardedModel fsdp(model, comm, options);
+            FullyShardedModel fsdp(model, comm, test_support::bf16_compute_f32_reduce());
             test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
             auto full = on_cpu(fsdp.full_parameters());
             if (comm.rank() == 0) finals = full;

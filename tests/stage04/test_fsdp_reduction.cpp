@@ -7,6 +7,7 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include "support/group.h"
@@ -28,9 +29,7 @@ using test_support::test_group;
 TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
   // Both ranks see the same batch, rank r scales its loss by (r + 1): the mean gradient is 1.5x one rank's
   // unscaled gradient; a sum would be 3x (the bug FSDP2 has had on Gloo, PyTorch issue #162338).
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("mlp").global_batch(4);
   auto reference = make_model(c, at::kCPU);
   auto data = make_dataset(c.model, c.seed);
   const Batch batch = data->global_batch(0, c.global_batch);
@@ -67,10 +66,7 @@ TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
 // Gloo; bf16 where Gloo carries it, else as f32, and the record says so), cast back into the f32 shards, and train
 // close to f32 (measured 3e-5 with fp16 and 4e-4 with bf16 after 3 steps: the gradients' rounding, nothing else).
 TEST(FullyShardedModel, CompressedHooksReduceScatterInTheirDtypeAndTrainCloseToF32) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 3;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("mlp").steps(3).global_batch(8);
   const ReferenceResult ref = train_reference(c);
   for (const std::string hook : {"fp16", "bf16"}) {
     const c10::ScalarType dtype = hook == "fp16" ? at::kHalf : at::kBFloat16;
@@ -130,10 +126,7 @@ class CountingReducer final : public GradientReducer {
 };
 
 TEST(FullyShardedModel, EachUnitGetsItsOwnReducerFromTheFactory) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8);
   std::vector<at::Tensor> plain_finals, counted_finals;
   run_ranks(
       2,

@@ -9,6 +9,8 @@
 #include "shardlab/course/reference.h"
 
 #include "support/group.h"
+#include "support/mixed_precision.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -45,9 +47,7 @@ class Structure : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Structure, CollectivesPerStepAndUnitStorageFollowTheSchedule) {
   const bool raf = GetParam();
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   const int world = 2, blocks = static_cast<int>(c.layers);
   run_ranks(
       world,
@@ -148,9 +148,7 @@ INSTANTIATE_TEST_SUITE_P(Stage04, Structure, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "reshard_after_forward" : "keep_after_forward"; });
 
 TEST(FullyShardedModel, NoSyncAccumulatesAndReduceScattersOnlyOnTheLastMicroBatch) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 12;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(12);
   run_ranks(
       2,
       [&](Communicator& comm) {
@@ -252,9 +250,7 @@ TEST(FullyShardedModel, ReduceScattersLaunchInReverseForwardOrderEvenWhenAUnitIs
 }
 
 TEST(FullyShardedModel, AtMostOneReduceScatterIsInFlight) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
   run_ranks(
       2,
       [&](Communicator& comm) {
@@ -293,10 +289,8 @@ TEST(FullyShardedModel, InsideNoSyncEveryUnitsGradientsAreStashedInTheReduceDtyp
       [&](Communicator& comm) {
         auto model = std::make_shared<Chain>();
         model->middle->use_extra = false;
-        Options options;
+        Options options = test_support::bf16_compute_f32_reduce();
         options.allow_unused_parameters = true;
-        options.mixed_precision.param_dtype = at::kBFloat16;
-        options.mixed_precision.reduce_dtype = at::kFloat;
         FullyShardedModel fsdp(model, comm, options);
         const Batch batch = rank_slice(chain_batch(), comm.rank(), comm.size());
         {

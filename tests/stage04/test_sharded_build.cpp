@@ -10,8 +10,12 @@
 #include "support/counting_allocator.h"
 #include "support/eight_block_gpt.h"
 #include "support/fsdp_case.h"
+#include "support/gradients.h"
 #include "support/group.h"
+#include "support/param_name.h"
 #include "support/temp_dir.h"
+#include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -39,9 +43,7 @@ std::string ops_of(const std::vector<CollectiveRecord>& records) {
 
 TEST(ShardedBuild, EveryShippedModelStartsFromOneDevicesValuesAtEveryWorldSizeWithNoBroadcast) {
   for (const std::string model : {"mlp", "tiny_gpt", "edge"}) {
-    TrainConfig c;
-    c.model = model;
-    c.seed = 21;
+    TrainConfig c = test_support::config(model).seed(21);
     const std::vector<at::Tensor> one_device = on_cpu(make_model(c, at::kCPU)->parameters());
     for (int world = 1; world <= 4; ++world) {
       SCOPED_TRACE(model + " at " + std::to_string(world) + " ranks");
@@ -74,43 +76,22 @@ class ShardedBuildEquivalence : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ShardedBuildEquivalence, TrainsLikeOneDevice) {
   const Case& e = GetParam();
-  TrainConfig c;
-  c.model = e.model;
-  c.optimizer = e.optimizer;
-  c.lr = e.optimizer == "adamw" ? 1e-2 : 0.05;
-  c.steps = 3;
-  c.global_batch = 12;
-  c.micro_batches = e.micro;
-  c.seed = 17;
-  Options options;
-  options.reshard_after_forward = e.raf;
-  options.allow_unused_parameters = e.model == "edge";  // `sometimes` has no gradient on odd steps
-  const ReferenceResult ref = train_reference(c);
-  std::vector<std::vector<at::Tensor>> finals(e.world);
-  run_ranks(
-      e.world,
-      [&](Communicator& comm) {
-        FullyShardedModel fsdp([&] { return make_model(c, at::kCPU); }, comm, options);
-        test_support::train_steps(comm, c, fsdp.parameters(), at::kCPU, fsdp);
-        finals[comm.rank()] = on_cpu(fsdp.full_parameters());
-      },
-      test_group());
-  for (int r = 0; r < e.world; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << e << " rank " << r << ": max |param - reference| = " << diff << "\n";
-    // SGD and the MLP's and edge model's AdamW are tight (Note [Comparing with one device]).
-    EXPECT_TRUE(all_close(finals[r], ref.params, 1e-5, 1e-6)) << "rank " << r << " max diff " << diff;
-  }
+  TrainConfig c = test_support::config(e.model)
+                      .optimizer_at_its_lr(e.optimizer)
+                      .steps(3)
+                      .global_batch(12)
+                      .micro_batches(e.micro)
+                      .seed(17);
+  // SGD and the MLP's and edge model's AdamW are tight (Note [Comparing with one device]): kRtol 1e-5, kAtol 1e-6.
+  test_support::expect_case_trains_like_one_device(e, c, at::kCPU, [&](Communicator& comm, const Options& o) {
+    return FullyShardedModel([&] { return make_model(c, at::kCPU); }, comm, o);
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Stage04, ShardedBuildEquivalence,
                          ::testing::Values(Case{"tiny_gpt", "sgd", 2, 1, true}, Case{"tiny_gpt", "sgd", 3, 2, false},
                                            Case{"mlp", "adamw", 4, 1, true}, Case{"edge", "sgd", 3, 2, true}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // Bytes of `ts`.
 int64_t bytes_of(const std::vector<at::Tensor>& ts) {
@@ -300,8 +281,7 @@ TEST(ShardedBuild, AUserModelTrainsLikeOneDeviceAndAModelBuiltBeforeIsRefused) {
   Batch all{data, at::zeros({4}, at::kLong)};
   auto one = std::make_shared<UserNet>();
   one->loss(all).backward();
-  std::vector<at::Tensor> expected;
-  for (const auto& p : one->parameters()) expected.push_back(p.grad().clone());
+  const std::vector<at::Tensor> expected = test_support::grad_copies(one->parameters());
   std::vector<std::vector<at::Tensor>> grads(world);
   run_ranks(
       world,

@@ -11,6 +11,8 @@
 #include "stage05/prefetch_support.h"
 #include "support/gradients.h"
 #include "support/group.h"
+#include "support/param_name.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -35,10 +37,7 @@ using test_support::UnitLog;
 using Seq = std::vector<std::string>;
 
 TrainConfig gpt() {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 4;
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("tiny_gpt").layers(4).global_batch(4);
   return c;
 }
 
@@ -515,11 +514,7 @@ TEST_P(PrefetchBits, ParametersAfterTrainingAreBitIdenticalWithAndWithoutPrefetc
 INSTANTIATE_TEST_SUITE_P(Stage05, PrefetchBits,
                          ::testing::Values(BitCase{true, 1, false}, BitCase{false, 1, false}, BitCase{true, 2, false},
                                            BitCase{true, 2, true}, BitCase{false, 2, true}),
-                         [](const ::testing::TestParamInfo<BitCase>& info) {
-                           std::ostringstream os;
-                           os << info.param;
-                           return os.str();
-                         });
+                         test_support::StreamedName());
 
 TEST(PrefetchOverlap, TheNextUnitsAllGatherIsIssuedBeforeThisUnitsComputeEnds) {
   const TrainConfig c = gpt();
@@ -563,7 +558,38 @@ TEST(PrefetchOverlap, TheNextUnitsAllGatherIsIssuedBeforeThisUnitsComputeEnds) {
       test_group());
 }
 
-TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
+// The recovery's check, through `log`: the next step on `batch` settles first (by its first new all-gather every other
+// unit is sharded, holds no all-gather buffer, and every earlier collective has ended), and its gradients are
+// `clean`'s bit for bit; `after` names what came before, for the messages.
+void expect_next_step_settles_first(UnitLog& log, FullyShardedModel& fsdp, Communicator& comm, const Batch& batch,
+                                    const std::vector<at::Tensor>& clean, const std::string& after) {
+  bool checked = false;
+  log.on_event = [&](const fsdp::UnitEvent& e) {
+    if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
+    checked = true;
+    for (size_t u = 0; u < fsdp.units().size(); ++u) {
+      if (u == e.unit) continue;
+      EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
+      EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
+    }
+    const auto records = comm.recorder().snapshot();  // the last one is the all-gather just issued
+    for (size_t i = 0; i + 1 < records.size(); ++i)
+      EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
+  };
+  for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
+  fsdp.loss(batch).backward();
+  log.on_event = nullptr;  // it refers to `checked`, which ends here
+  EXPECT_TRUE(checked);
+  const auto params = fsdp.parameters();
+  for (size_t k = 0; k < params.size(); ++k)
+    EXPECT_EQ(test_support::max_diff(params[k].grad(), clean[k]), 0.0)
+        << "parameter " << k << ": the step after " << after << " differs from a clean one";
+}
+
+// The recovery tests' setting: on 2 ranks, gpt() under FSDP with prefetch 2 deep each way takes a clean step on this
+// rank's slice of batch 0; then `body(comm, fsdp, batch, clean)` runs, `clean` a copy of that step's gradients.
+template <typename Body>
+void after_a_clean_prefetched_step(Body body) {
   const TrainConfig c = gpt();
   run_ranks(
       2,
@@ -571,10 +597,15 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
         FullyShardedModel fsdp(make_model(c, at::kCPU), comm);
         auto schedule = enable_prefetch(fsdp, depths(2, 2));
         const Batch batch = gpt_batch(c, 0, comm);
-        // A clean step's gradients.
         fsdp.loss(batch).backward();
-        std::vector<at::Tensor> clean;
-        for (const auto& p : fsdp.parameters()) clean.push_back(p.grad().clone());
+        body(comm, fsdp, batch, test_support::grad_copies(fsdp.parameters()));
+      },
+      test_group());
+}
+
+TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
+  after_a_clean_prefetched_step(
+      [](Communicator& comm, FullyShardedModel& fsdp, const Batch& batch, const std::vector<at::Tensor>& clean) {
         for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
         // A backward cut short in block2: blocks 1 and 0 were prefetched (or are in flight) when it stopped.
         at::Tensor loss = fsdp.loss(batch);
@@ -584,43 +615,14 @@ TEST(PrefetchRecovery, AfterABackwardThatThrowsTheNextLossSettlesEveryPrefetchFi
         for (const auto& unit : fsdp.units()) some_ahead |= unit->state() != UnitState::kSharded;
         EXPECT_TRUE(some_ahead) << "the cut must leave something gathered or in flight, or this tests nothing";
         // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
-        bool checked = false;
         UnitLog log(fsdp);
-        log.on_event = [&](const fsdp::UnitEvent& e) {
-          if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
-          checked = true;
-          for (size_t u = 0; u < fsdp.units().size(); ++u) {
-            if (u == e.unit) continue;
-            EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
-            EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
-          }
-          const auto records = comm.recorder().snapshot();  // the last one is the all-gather just issued
-          for (size_t i = 0; i + 1 < records.size(); ++i)
-            EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
-        };
-        for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
-        fsdp.loss(batch).backward();
-        EXPECT_TRUE(checked);
-        const auto params = fsdp.parameters();
-        for (size_t k = 0; k < params.size(); ++k) {
-          const double diff = test_support::max_diff(params[k].grad(), clean[k]);
-          EXPECT_EQ(diff, 0.0) << "parameter " << k << ": the step after the failure differs from a clean one";
-        }
-      },
-      test_group());
+        expect_next_step_settles_first(log, fsdp, comm, batch, clean, "the failure");
+      });
 }
 
 TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFirst) {
-  const TrainConfig c = gpt();
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        FullyShardedModel fsdp(make_model(c, at::kCPU), comm);
-        auto schedule = enable_prefetch(fsdp, depths(2, 2));
-        const Batch batch = gpt_batch(c, 0, comm);
-        fsdp.loss(batch).backward();
-        std::vector<at::Tensor> clean;
-        for (const auto& p : fsdp.parameters()) clean.push_back(p.grad().clone());
+  after_a_clean_prefetched_step(
+      [](Communicator& comm, FullyShardedModel& fsdp, const Batch& batch, const std::vector<at::Tensor>& clean) {
         // A forward that throws once block1 is gathered (a user's module failing): blocks 2 and 3 are in flight.
         UnitLog log(fsdp);
         const size_t block1 = 1;
@@ -636,28 +638,8 @@ TEST(PrefetchRecovery, AfterAForwardThatThrowsTheNextLossSettlesEveryPrefetchFir
         for (const auto& unit : fsdp.units()) in_flight |= unit->state() == UnitState::kUnsharding;
         EXPECT_TRUE(in_flight) << "the throw must leave a prefetch in flight, or this tests nothing";
         // The next loss() settles first: by its first new all-gather every unit is sharded, nothing in flight.
-        bool checked = false;
-        log.on_event = [&](const fsdp::UnitEvent& e) {
-          if (checked || e.kind != UnitEventKind::kBeginUnshard) return;
-          checked = true;
-          for (size_t u = 0; u < fsdp.units().size(); ++u) {
-            if (u == e.unit) continue;
-            EXPECT_EQ(fsdp.units()[u]->state(), UnitState::kSharded) << fsdp.units()[u]->name();
-            EXPECT_EQ(fsdp.units()[u]->all_gather_bytes_held(), 0) << fsdp.units()[u]->name();
-          }
-          const auto records = comm.recorder().snapshot();
-          for (size_t i = 0; i + 1 < records.size(); ++i)
-            EXPECT_NE(records[i].end_ns, 0) << records[i].op << " " << i << " still in flight";
-        };
-        for (const auto& p : fsdp.parameters()) p.mutable_grad().reset();
-        fsdp.loss(batch).backward();
-        EXPECT_TRUE(checked);
-        const auto params = fsdp.parameters();
-        for (size_t k = 0; k < params.size(); ++k)
-          EXPECT_EQ(test_support::max_diff(params[k].grad(), clean[k]), 0.0)
-              << "parameter " << k << ": the step after the failed forward differs from a clean one";
-      },
-      test_group());
+        expect_next_step_settles_first(log, fsdp, comm, batch, clean, "the failed forward");
+      });
 }
 
 }  // namespace

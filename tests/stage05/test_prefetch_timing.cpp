@@ -13,6 +13,7 @@
 
 #include "support/delayed_backend.h"
 #include "support/group.h"
+#include "support/train_config.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -51,14 +52,13 @@ struct Outcome {
 };
 
 TrainConfig config() {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 4;
-  c.steps = 3;
-  c.global_batch = 8;
-  c.micro_batches = 2;
-  c.optimizer = "sgd";  // momentum: a wrong bit in step 1 still shows in step 3
-  c.lr = 0.05;
+  TrainConfig c = test_support::config("tiny_gpt")
+                      .layers(4)
+                      .steps(3)
+                      .global_batch(8)
+                      .micro_batches(2)
+                      .optimizer("sgd")  // momentum: a wrong bit in step 1 still shows in step 3
+                      .lr(0.05);
   return c;
 }
 

@@ -12,6 +12,7 @@
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -44,11 +45,7 @@ int64_t partial_bytes(const FullyShardedModel& fsdp) {
 // (the partial kept in f32) within 2e-3. no_sync on the first two instead: one reduce-scatter and one all-reduce per
 // unit per step, both on the last micro-batch.
 TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReducesOnce) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 2;
-  c.global_batch = 24;
-  c.micro_batches = 3;
+  TrainConfig c = test_support::config("mlp").steps(2).global_batch(24).micro_batches(3);
   const ReferenceResult ref = train_reference(c);
   for (const std::string mode : {"deferred", "no_sync", "deferred_fp16"}) {
     const bool fp16 = mode == "deferred_fp16", deferred = mode != "no_sync";
@@ -113,9 +110,7 @@ TEST(HsdpAccumulation, DeferredAllReduceReduceScattersEveryMicroBatchAndAllReduc
 // cut short (units already reduced, the first layer's gradient throwing) is settled by the next loss(): every
 // unit's partial is dropped, the one of the good micro-batch included, as stage 04 drops unsharded gradients.
 TEST(HsdpAccumulation, ABackwardThatThrowsLeavesNoPartialBehind) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("mlp").global_batch(8);
   run_world(
       4,
       [&](World& world) {
@@ -138,8 +133,7 @@ TEST(HsdpAccumulation, ABackwardThatThrowsLeavesNoPartialBehind) {
 
 // set_requires_all_reduce is for HSDP wrappers: on stage 04's FSDP it is an error naming the unit and its reducer.
 TEST(HsdpAccumulation, DeferringOnAWrapperThatIsNotHsdpIsAnError) {
-  TrainConfig c;
-  c.model = "mlp";
+  TrainConfig c = test_support::config("mlp");
   run_world(
       2,
       [&](World& world) {
@@ -168,9 +162,7 @@ TEST(HsdpAccumulation, DeferringOnAWrapperThatIsNotHsdpIsAnError) {
 // f32 copy) on the wire. A meter that keeps each reduction's input to the end of backward (every unit's S rows at
 // once) measures more than the theory; after the step the gradients are the sharded ones only.
 TEST(HsdpMemory, MeasuredGradientPeakIsWithinTheTheoryOfThePhasedReduction) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 16;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(16);
   for (const std::string mode : {"sync", "no_sync", "deferred", "deferred_bf16"}) {
     const bool bf16 = mode == "deferred_bf16", deferred = mode.rfind("deferred", 0) == 0;
     const int k = mode == "sync" ? 1 : 2;

@@ -13,7 +13,10 @@
 
 #include "support/clipping.h"
 #include "support/group.h"
+#include "support/mixed_precision.h"
+#include "support/param_name.h"
 #include "support/tolerance.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -27,8 +30,6 @@ namespace shardlab::hsdp {
 namespace {
 
 using fsdp::FullyShardedModel;
-using test_support::kAtol;
-using test_support::kRtol;
 using test_support::on_cpu;
 using test_support::test_group;
 
@@ -48,8 +49,7 @@ std::vector<at::Tensor> shards(const FullyShardedModel& fsdp) {
 // this rank's row. A reducer set by the caller is refused, and a model FSDP rejects keeps each rank's own values (no
 // broadcast before FSDP's checks).
 TEST(HsdpConstruction, EveryReplicaStartsFromGlobalRankZerosValues) {
-  TrainConfig c;
-  c.model = "mlp";
+  TrainConfig c = test_support::config("mlp");
   const std::vector<at::Tensor> originals = on_cpu(make_model(c, at::kCPU)->parameters());
   run_world(
       4,
@@ -110,12 +110,7 @@ class HsdpEquivalence : public ::testing::TestWithParam<MeshCase> {};
 TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAfterEveryStep) {
   const MeshCase m = GetParam();
   const int N = m.replicate * m.shard;
-  TrainConfig c;
-  c.model = m.model;
-  c.steps = 3;
-  c.global_batch = 2 * N;
-  c.micro_batches = 1;
-  c.seed = 5;
+  TrainConfig c = test_support::config(m.model).steps(3).global_batch(2 * N).micro_batches(1).seed(5);
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> finals(N);
   std::vector<std::vector<std::vector<at::Tensor>>> per_step(N);  // [rank][step] -> shards
@@ -132,11 +127,7 @@ TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAft
         finals[world.rank()] = on_cpu(fsdp->full_parameters());
       },
       test_group());
-  for (int r = 0; r < N; ++r) {
-    const double diff = max_abs_diff(finals[r], ref.params);
-    std::cout << m << " rank " << r << ": max |param - one device| = " << diff << "\n";
-    EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << m << " rank " << r << " differs by " << diff;
-  }
+  test_support::expect_ranks_match(finals, ref.params, m);
   // Rank = row * S + column: the ranks of column k are k, S + k, 2S + k, ...
   for (int col = 0; col < m.shard; ++col)
     for (int row = 1; row < m.replicate; ++row)
@@ -154,22 +145,14 @@ TEST_P(HsdpEquivalence, MatchesOneDeviceAndTheReplicasOfAShardAreBitIdenticalAft
 INSTANTIATE_TEST_SUITE_P(Stage06, HsdpEquivalence,
                          ::testing::Values(MeshCase{2, 2, "tiny_gpt"}, MeshCase{2, 3, "mlp"}, MeshCase{3, 2, "mlp"},
                                            MeshCase{4, 1, "mlp"}, MeshCase{2, 2, "edge"}),
-                         [](const auto& info) {
-                           std::ostringstream s;
-                           s << info.param;
-                           return s.str();
-                         });
+                         test_support::StreamedName());
 
 // Clipping under HSDP: the shards' norms are joined over the shard group only (the replicas hold the same shards:
 // joined over the world, each element would count R times and the 2-norm's scale be off by a factor sqrt(R); a
 // maximum over copies is the same, so only the 2-norm can tell). A bound that binds trains like the clipped single
 // device on a 2 x 2 mesh, in the 2-norm and the max norm. While the all-reduce is deferred, clipping is refused.
 TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSingleDevice) {
-  TrainConfig base;
-  base.model = "mlp";
-  base.steps = 3;
-  base.global_batch = 8;
-  base.seed = 5;
+  TrainConfig base = test_support::config("mlp").steps(3).global_batch(8).seed(5);
   for (const double p : {2.0, test_support::kInfNorm}) {
     const TrainConfig c = test_support::binding_clip(base, 0.01, p);
     const ReferenceResult ref = train_reference(c);
@@ -192,11 +175,7 @@ TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSing
           EXPECT_NO_THROW(fsdp->clip_grad_norm(1e9, p)) << "rank " << world.rank() << ": after the all-reduce";
         },
         test_group());
-    for (int r = 0; r < 4; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << "p " << p << " rank " << r << ": max |param - clipped reference| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol)) << "rank " << r << " max diff " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, "p", p);
   }
 }
 
@@ -204,10 +183,7 @@ TEST(HsdpClipping, TheReplicasAreNotCountedTwiceAndTrainingMatchesTheClippedSing
 // all-reduced over the 4 replicas) against stage 02's bucketed DDP on the same 4 ranks, within rtol 1e-6 (the sums
 // differ in order: one all-reduce per unit against one per bucket, and pre/post division against DDP's mean).
 TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 3;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(3).global_batch(8);
   std::vector<std::vector<at::Tensor>> hybrid(4), ddp(4);
   run_world(
       4,
@@ -222,11 +198,7 @@ TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
         ddp[world.rank()] = test_support::train_replica(world.world(), c, *replica, plain);
       },
       test_group());
-  for (int r = 0; r < 4; ++r) {
-    const double diff = max_abs_diff(hybrid[r], ddp[r]);
-    std::cout << "4x1 rank " << r << ": max |hsdp - bucketed ddp| = " << diff << "\n";
-    EXPECT_TRUE(all_close(hybrid[r], ddp[r], 1e-6, 1e-7)) << "rank " << r << " differs by " << diff;
-  }
+  test_support::expect_ranks_close(hybrid, ddp, 1e-6, 1e-7, "4x1 hsdp vs bucketed ddp,");
 }
 
 // Stage 04's and 05's options work unchanged under HSDP: units kept after forward with stage 05's prefetch (depth 1
@@ -234,10 +206,7 @@ TEST(HsdpDdp, OneShardPerReplicaIsBucketedDdpWithinRtol1e6) {
 // all 4 ranks with the same policy after a step (each rank computes the same bf16 gradients of the same values; only
 // the f32 sums run in another order).
 TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 3;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(3).global_batch(8);
   const ReferenceResult ref = train_reference(c);
   std::vector<std::vector<at::Tensor>> kept(4), hybrid_bf16(4), fsdp_bf16(4);
   run_world(
@@ -254,9 +223,7 @@ TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
 
         TrainConfig one = c;
         one.steps = 1;
-        fsdp::Options bf16;
-        bf16.mixed_precision.param_dtype = at::kBFloat16;
-        bf16.mixed_precision.reduce_dtype = at::kFloat;
+        const fsdp::Options bf16 = test_support::bf16_compute_f32_reduce();
         auto m1 = make_model(one, at::kCPU);
         auto hybrid = fully_shard_hybrid(m1, mesh, bf16);
         test_support::train_steps(world.world(), one, hybrid->parameters(), at::kCPU, *hybrid);
@@ -267,22 +234,13 @@ TEST(HsdpOptions, KeptUnitsPrefetchAndMixedPrecisionWorkUnchanged) {
         fsdp_bf16[world.rank()] = on_cpu(flat.full_parameters());
       },
       test_group());
-  for (int r = 0; r < 4; ++r) {
-    const double diff = max_abs_diff(kept[r], ref.params), mp = max_abs_diff(hybrid_bf16[r], fsdp_bf16[r]);
-    std::cout << "rank " << r << ": kept + prefetch vs one device " << diff << "; bf16 hsdp vs bf16 fsdp " << mp
-              << "\n";
-    EXPECT_TRUE(all_close(kept[r], ref.params, kRtol, kAtol))
-        << "rank " << r << " (kept, prefetch) differs by " << diff;
-    EXPECT_TRUE(all_close(hybrid_bf16[r], fsdp_bf16[r], 1e-6, 1e-7)) << "rank " << r << " (bf16) differs by " << mp;
-  }
+  test_support::expect_ranks_match(kept, ref.params, "kept + prefetch,");
+  test_support::expect_ranks_close(hybrid_bf16, fsdp_bf16, 1e-6, 1e-7, "bf16 hsdp vs bf16 fsdp,");
 }
 
 // One replica (R = 1) is stage 04's FSDP: the same collectives (no all-reduce at all) and the same bits.
 TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8);
   std::vector<at::Tensor> hybrid, plain;
   run_world(
       2,
@@ -316,11 +274,7 @@ TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
 // device on the union batch, with micro-batches under its no_sync; DDP refuses mixed precision and only HSDP defers
 // its all-reduce, both with errors that name the mesh, before any collective of the wrong kind.
 TEST(Parallelize, TheMeshShapeChoosesDdpFsdpOrHsdpAndEachTrainsLikeOneDevice) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
-  c.micro_batches = 2;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8).micro_batches(2);
   const ReferenceResult ref = train_reference(c);
   struct Shape {
     int replicate, shard;
@@ -374,12 +328,7 @@ TEST(Parallelize, TheMeshShapeChoosesDdpFsdpOrHsdpAndEachTrainsLikeOneDevice) {
           EXPECT_GT(reductions, 0u) << shape.kind;
         },
         test_group());
-    for (int r = 0; r < 4; ++r) {
-      const double diff = max_abs_diff(finals[r], ref.params);
-      std::cout << shape.kind << " rank " << r << ": max |param - one device| = " << diff << "\n";
-      EXPECT_TRUE(all_close(finals[r], ref.params, kRtol, kAtol))
-          << shape.kind << " rank " << r << " differs by " << diff;
-    }
+    test_support::expect_ranks_match(finals, ref.params, shape.kind);
   }
 }
 

@@ -9,6 +9,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/group.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -32,10 +33,7 @@ using test_support::test_group;
 // all-reduce of the row (Σ padded shard numel, padding included) in the replicate group; the all-gathers stay in
 // the shard group; nothing else. The reduce-scatters come in the same unit order as the all-reduces.
 TEST(HsdpStructure, OneReduceScatterInTheRowAndOneAllReduceAcrossTheColumnPerUnitPerStep) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8);
   run_world(
       4,
       [&](World& world) {
@@ -99,9 +97,7 @@ TEST_P(HsdpDivide, TheGradientIsTheMeanOverAllNRanks) {
   const auto [R, S] = GetParam();
   const int N = R * S;
   const double mean = (N + 1) / 2.0;
-  TrainConfig c;
-  c.model = "mlp";
-  c.global_batch = 4;
+  TrainConfig c = test_support::config("mlp").global_batch(4);
   auto reference = make_model(c, at::kCPU);
   auto data = make_dataset(c.model, c.seed);
   const Batch batch = data->global_batch(0, c.global_batch);
@@ -231,9 +227,7 @@ class Watching final : public fsdp::GradientReducer {
 };
 
 TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsIssued) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(8);
   run_world(
       4,
       [&](World& world) {
@@ -268,10 +262,7 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
 // 1.13 carries bf16 as f32, which the record's wire_dtype shows), the shards stay f32 and bit-identical across
 // replicas, and training stays close to f32.
 TEST(HsdpCompressed, Fp16AndBf16OnBothGroupsTrainCloseToF32) {
-  TrainConfig c;
-  c.model = "mlp";
-  c.steps = 3;
-  c.global_batch = 8;
+  TrainConfig c = test_support::config("mlp").steps(3).global_batch(8);
   const ReferenceResult ref = train_reference(c);
   for (const std::string name : {"fp16", "bf16"}) {
     const c10::ScalarType dtype = name == "fp16" ? at::kHalf : at::kBFloat16;

@@ -8,6 +8,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/group.h"
+#include "support/train_config.h"
 #include "support/train_replica.h"
 
 #include <ATen/ATen.h>
@@ -23,11 +24,7 @@ using test_support::on_cpu;
 using test_support::test_group;
 
 TEST(ParallelizeShardedBuild, EveryMeshShapeTrainsLikeOneDeviceAndOnlyDdpBroadcasts) {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.steps = 2;
-  c.global_batch = 8;
-  c.seed = 23;
+  TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8).seed(23);
   const ReferenceResult ref = train_reference(c);
   struct Shape {
     int replicate, shard;

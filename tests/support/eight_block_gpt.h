@@ -3,15 +3,11 @@
 // model, the root (embeddings, final norm) is small, and a bound of a few tensors is far below the model.
 #include "shardlab/course/reference.h"
 
+#include "support/train_config.h"
+
 namespace shardlab::test_support {
 
 /// The tiny GPT's config with 8 blocks of width 64 (the other fields at their defaults).
-inline TrainConfig eight_block_gpt() {
-  TrainConfig c;
-  c.model = "tiny_gpt";
-  c.layers = 8;
-  c.dim = 64;
-  return c;
-}
+inline TrainConfig eight_block_gpt() { return config("tiny_gpt").layers(8).dim(64); }
 
 }  // namespace shardlab::test_support

@@ -22,6 +22,13 @@ inline std::vector<at::Tensor> local_gradients(Model& model, const Batch& batch,
                                /*create_graph=*/false, /*allow_unused=*/true);
 }
 
+/// A copy of each of `params`' gradients (all defined), in order: what a step left, kept past the next zero_grad.
+inline std::vector<at::Tensor> grad_copies(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.grad().clone());
+  return out;
+}
+
 /// What an average over two ranks leaves, bit for bit: one addition (the same in either order), then a halving
 /// (exact). So a 2-rank all-reduce of `a` and `b` with ReduceOp::kAvg must give exactly this.
 inline at::Tensor mean_of_two(const at::Tensor& a, const at::Tensor& b) { return (a + b) / 2; }
