@@ -61,7 +61,8 @@ def settle():
 expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy: expects one of single|naive_ddp|bucketed_ddp|")
 expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb: expects an integer in [1, ")
 expect([shardlab, "train", "--strategy", "fsdp", "--bucket-cap-kb", "auto"], 2,
-       "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the hook_* strategies; got "
+       "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, hook_allreduce, hook_fp16, hook_bf16 and "
+       "overlap_optimizer; got "
        "strategy 'fsdp'")
 expect([shardlab, "train", "--strategy", "fsdp_prefetch", "--prefetch-depth", "-1"], 2,
        "--prefetch-depth: expects an integer in [0, 64]; got '-1'")

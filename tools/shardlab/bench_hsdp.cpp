@@ -60,7 +60,7 @@ FsdpBenchResult run_hsdp_bench(const FsdpBenchOptions& b, const std::string& sel
       each.train.micro_batches = row.micro_batches;
       each.train.global_batch = o.train.global_batch * row.micro_batches;  // the same micro-batch size
       each.strategy_options.prefetch_depth = each.strategy_options.prefetch_limit = 1;
-      if (row.strategy == "hsdp") each.strategy_options.mesh = "2x2";
+      if (find_strategy(row.strategy).can.mesh) each.strategy_options.mesh = "2x2";
       each.strategy_options.defer_all_reduce = row.defer;
       RunReport r = run_strategy(each, self_exe);
       if (round == 0 || r.step_time_ms < row.report.step_time_ms) row.report = r;

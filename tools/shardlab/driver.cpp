@@ -70,7 +70,7 @@ double median(std::vector<double> v) {
 RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   const Strategy& strategy = find_strategy(options.strategy);
   RunOptions o = options;
-  if (!strategy.distributed) o.world_size = 1;
+  if (!strategy.can.communicates) o.world_size = 1;
   const char* tmp = std::getenv("TMPDIR");
   std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/shardlab-run-XXXXXX";
   std::vector<char> tmpl(pattern.begin(), pattern.end());
@@ -118,7 +118,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       throw std::invalid_argument("--resume '" + o.resume_dir + "' holds the state of optimizer '" + kind->second +
                                   "'; this run has --optimizer " + o.train.optimizer);
     const auto caps = index.metadata.find("bucketed_ddp.caps");
-    if (caps != index.metadata.end() && (o.strategy == "bucketed_ddp" || o.strategy.rfind("hook_", 0) == 0))
+    if (caps != index.metadata.end() && find_strategy(o.strategy).can.buckets &&
+        find_strategy(o.strategy).can.checkpoints())
       std::cout << "shardlab: note: the buckets are laid out as the checkpoint's were (caps " << caps->second
                 << " bytes, its order), so that the run continues as the saved one did; --bucket-cap-kb and "
                 << "--first-bucket-kb apply to a fresh run\n";
@@ -140,7 +141,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
 
   // Check the device here, once, rather than in every rank: "cuda" puts local rank r on GPU r.
   const c10::Device device = parse_device(o.train.device);
-  const int ranks = strategy.distributed ? o.world_size : 1;
+  const int ranks = strategy.can.communicates ? o.world_size : 1;
   device_for_rank(device, 0);  // CUDA requested: this libtorch has it and a GPU is visible
   if (device.is_cuda() && !device.has_index() && ranks > 1 && cuda_device_count() < ranks)
     throw std::invalid_argument("--device cuda puts rank r on GPU r: " + std::to_string(ranks) + " ranks need " +
@@ -176,24 +177,25 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.strategy = o.strategy;
   r.description = strategy.description;
   r.construction = strategy.construction;
+  r.shards = strategy.can.shards;
   r.memory_limit_mib = o.memory_limit_mib;
   r.world_size = o.world_size;
   r.train = o.train;
   r.trace_dir = o.trace_dir;
   r.reshard_after_forward = o.strategy_options.reshard_after_forward;
   r.pool_buffers = o.strategy_options.pool_buffers;
-  if (prefetches(o.strategy)) {
+  if (strategy.can.prefetches) {
     r.prefetch_depth = o.strategy_options.prefetch_depth;
     r.prefetch_limit = o.strategy_options.prefetch_limit > 0 ? o.strategy_options.prefetch_limit
                                                              : std::max(1, o.strategy_options.prefetch_depth);
   }
-  if (o.strategy == "hsdp") {
+  if (strategy.can.mesh) {
     const auto [replicas, shards] = mesh_shape(o.strategy_options, o.world_size);
     r.mesh = std::to_string(replicas) + "x" + std::to_string(shards);
     r.defer_all_reduce = o.strategy_options.defer_all_reduce;
   }
   r.comm_yield = o.comm_yield;
-  r.backend = strategy.distributed ? o.backend : "none";
+  r.backend = strategy.can.communicates ? o.backend : "none";
   const ReferenceResult ref = train_reference(o.train);
   r.first_step = first_step;
   r.resumed_from = o.resume_dir;
@@ -274,7 +276,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   const Theory theory = strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;
-  if (strategy.distributed) {
+  if (strategy.can.communicates) {
     const std::map<std::string, Traffic> by_role =
         theory.groups.empty() ? std::map<std::string, Traffic>{{"world", {theory.collectives, theory.bytes}}}
                               : theory.groups;
@@ -333,8 +335,8 @@ void print_report(const RunReport& r) {
     std::cout << "  peak memory per rank: parameters " << static_cast<int64_t>(r.peak_param_bytes) << " bytes (theory "
               << static_cast<int64_t>(r.peak_param_bytes_theory) << "), gradients "
               << static_cast<int64_t>(r.peak_grad_bytes) << " bytes (theory "
-              << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")"
-              << (shards_parameters(r.strategy) ? ", measured" : ", a full replica") << "\n";
+              << static_cast<int64_t>(r.peak_grad_bytes_theory) << ")" << (r.shards ? ", measured" : ", a full replica")
+              << "\n";
   if (!r.peak_rss_bytes.empty()) {  // Note [Peak RSS over the steady state]
     auto mib = [](const std::vector<double>& bytes) {
       std::ostringstream line;
@@ -347,8 +349,7 @@ void print_report(const RunReport& r) {
               << "\n    peak once the model was built:" << mib(r.construction_rss_bytes)
               << "\n    peak over the run, construction included:" << mib(r.run_peak_rss_bytes)
               << "\n    peak over the second half of the steps:" << mib(r.peak_rss_bytes)
-              << (shards_parameters(r.strategy) ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "")
-              << "\n";
+              << (r.shards ? (r.pool_buffers ? " (buffers pooled)" : " (buffers malloc'd)") : "") << "\n";
     if (r.memory_limit_mib > 0)
       std::cout << "    data memory (VmData, what the limit counts) before the model:" << mib(r.base_data_bytes)
                 << "; limit " << r.memory_limit_mib << " MiB (--memory-limit-mib)\n";

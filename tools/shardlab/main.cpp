@@ -43,13 +43,13 @@ int train(const RunOptions& o, const std::string& self) {
 int compare(const RunOptions& o, const std::string& self) {
   std::vector<RunReport> reports;
   for (const auto& s : strategies()) {
-    if (o.train.clip_norm > 0 && !clips(s.name)) {
+    if (o.train.clip_norm > 0 && !s.can.clips()) {
       std::cout << "compare: " << s.name << " left out: it cannot clip (--clip-norm)\n";
       continue;
     }
     RunOptions each = o;
     each.strategy = s.name;
-    each.world_size = s.distributed ? o.world_size : 1;
+    each.world_size = s.can.communicates ? o.world_size : 1;
     each.config = config_toml(each);  // the row's run again: shardlab train --config
     reports.push_back(run_strategy(each, self));
   }

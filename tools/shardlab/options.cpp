@@ -35,9 +35,11 @@ const std::vector<std::string>& dtype_names() {
   return names;
 }
 
-// The strategies --bucket-cap-kb auto applies to: those built on stage 02's BucketedDDP.
-bool has_buckets(const std::string& strategy) {
-  return strategy == "bucketed_ddp" || strategy == "overlap_optimizer" || strategy.rfind("hook_", 0) == 0;
+// What strategy `name` can do; for an unknown name (refused by --strategy's check, with the list), the defaults.
+Capabilities capabilities_of(const std::string& name) {
+  for (const auto& s : strategies())
+    if (s.name == name) return s.can;
+  return {};
 }
 
 // "RxS" as Mesh::parse reads it, of at most 64 ranks (as --world-size).
@@ -232,8 +234,8 @@ std::set<std::string> given_flags(const CLI::App& cmd) {
 RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, bool allow_strategy) {
   const auto given = [&typed](const char* flag) { return typed.count(flag) > 0; };
   // A mesh from --config gives way to a typed --world-size or --strategy (the flag wins).
-  if (!given("--mesh") && (given("--world-size") || (allow_strategy && o.strategy != "hsdp")))
-    o.strategy_options.mesh.clear();
+  const Capabilities can = capabilities_of(o.strategy);
+  if (!given("--mesh") && (given("--world-size") || (allow_strategy && !can.mesh))) o.strategy_options.mesh.clear();
   if (!o.strategy_options.mesh.empty()) {  // the mesh says how many ranks; --world-size may only agree with it
     const auto [replicas, shards] = Mesh::parse(o.strategy_options.mesh);
     if (given("--world-size") && o.world_size != replicas * shards)
@@ -243,15 +245,16 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
     o.world_size = replicas * shards;
   }
   for (const char* flag : {"--mesh", "--defer-all-reduce"}) {
-    if (allow_strategy && o.strategy != "hsdp" && given(flag))
-      throw std::invalid_argument(std::string(flag) + " applies to strategy hsdp only; got strategy '" + o.strategy +
-                                  "'");
+    if (allow_strategy && !can.mesh && given(flag))
+      throw std::invalid_argument(std::string(flag) + " applies to strategy " + strategies_that(&Capabilities::mesh) +
+                                  " only; got strategy '" + o.strategy + "'");
   }
-  const int world = o.strategy == "single" ? 1 : o.world_size;
-  if (o.strategy == "single" && allow_strategy && o.world_size != 1 && given("--world-size"))
-    throw std::invalid_argument("--strategy single runs on one rank; got --world-size " + std::to_string(o.world_size) +
-                                " (drop the flag or pass 1)");
-  if (o.strategy == "single") o.world_size = 1;
+  const bool one_rank = !can.communicates;
+  const int world = one_rank ? 1 : o.world_size;
+  if (one_rank && allow_strategy && o.world_size != 1 && given("--world-size"))
+    throw std::invalid_argument("--strategy " + o.strategy + " runs on one rank; got --world-size " +
+                                std::to_string(o.world_size) + " (drop the flag or pass 1)");
+  if (one_rank) o.world_size = 1;
   if (o.backend == "nccl" && !parse_device(o.train.device).is_cuda())
     throw std::invalid_argument("--backend nccl moves CUDA tensors only; it needs --device cuda, got --device " +
                                 o.train.device);
@@ -265,26 +268,24 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
     throw std::invalid_argument(
         "--global-batch " + std::to_string(o.train.global_batch) +
         " must divide by world size x micro-batches = " + std::to_string(world * o.train.micro_batches));
-  if (o.strategy_options.auto_caps && allow_strategy && !has_buckets(o.strategy) && given("--bucket-cap-kb"))
-    throw std::invalid_argument(
-        "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, overlap_optimizer and the "
-        "hook_* strategies; got strategy '" +
-        o.strategy + "', which has none");
-  if (allow_strategy && !clips(o.strategy) && o.train.clip_norm > 0)
-    throw std::invalid_argument(
-        "--clip-norm needs the whole gradient before any parameter steps; strategy "
-        "overlap_optimizer steps each bucket's parameters inside backward, as its average "
-        "lands (use bucketed_ddp)");
+  if (o.strategy_options.auto_caps && allow_strategy && !can.buckets && given("--bucket-cap-kb"))
+    throw std::invalid_argument("--bucket-cap-kb auto tunes the buckets of " + strategies_that(&Capabilities::buckets) +
+                                "; got strategy '" + o.strategy + "', which has none");
+  if (allow_strategy && !can.clips() && o.train.clip_norm > 0)
+    throw std::invalid_argument("--clip-norm needs the whole gradient before any parameter steps; strategy " +
+                                o.strategy +
+                                " steps each bucket's parameters inside backward, as its average lands (use "
+                                "bucketed_ddp)");
   if (!allow_strategy && (!o.save_dir.empty() || !o.resume_dir.empty() || o.save_every > 0))
     throw std::invalid_argument(
         "--save, --save-every and --resume are options of shardlab train (compare runs every "
         "strategy, which would all write one checkpoint)");
   if (o.save_every > 0 && o.save_dir.empty())
     throw std::invalid_argument("--save-every K saves every K steps into --save DIR; got it without --save");
-  if (allow_strategy && !checkpoints(o.strategy) && (!o.save_dir.empty() || !o.resume_dir.empty()))
-    throw std::invalid_argument(
-        "--save and --resume save and load the optimizer's state; strategy overlap_optimizer keeps one optimizer "
-        "per parameter inside its reducer, which a checkpoint cannot name (use bucketed_ddp)");
+  if (allow_strategy && !can.checkpoints() && (!o.save_dir.empty() || !o.resume_dir.empty()))
+    throw std::invalid_argument("--save and --resume save and load the optimizer's state; strategy " + o.strategy +
+                                " keeps one optimizer per parameter inside its reducer, which a checkpoint cannot "
+                                "name (use bucketed_ddp)");
   if (!o.save_dir.empty()) {  // checked now, not after the whole training
     std::error_code ec;
     const fs::path dir(o.save_dir);
@@ -317,9 +318,9 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
   if (given("--clip-norm-type") && !(o.train.clip_norm > 0))
     throw std::invalid_argument("--clip-norm-type chooses the norm --clip-norm bounds; got it without --clip-norm");
   for (const char* flag : {"--prefetch-depth", "--prefetch-limit"}) {
-    if (allow_strategy && !prefetches(o.strategy) && given(flag))
-      throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategies fsdp_prefetch and hsdp; got " +
-                                  "strategy '" + o.strategy + "'");
+    if (allow_strategy && !can.prefetches && given(flag))
+      throw std::invalid_argument(std::string(flag) + " sets the prefetch of strategies " +
+                                  strategies_that(&Capabilities::prefetches) + "; got strategy '" + o.strategy + "'");
   }
   return o;
 }
@@ -410,11 +411,12 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 o.strategy_options.reshard_after_forward ? "true" : "false",
                                 "--pool-buffers",
                                 o.strategy_options.pool_buffers ? "true" : "false"};
-  if (prefetches(o.strategy)) {  // only there: the worker refuses them for other strategies, as train does
+  const Capabilities can = capabilities_of(o.strategy);
+  if (can.prefetches) {  // only there: the worker refuses them for other strategies, as train does
     args.insert(args.end(), {"--prefetch-depth", std::to_string(o.strategy_options.prefetch_depth), "--prefetch-limit",
                              std::to_string(o.strategy_options.prefetch_limit)});
   }
-  if (o.strategy == "hsdp") {
+  if (can.mesh) {
     const auto [replicas, shards] = mesh_shape(o.strategy_options, o.world_size);
     args.insert(args.end(), {"--mesh", std::to_string(replicas) + "x" + std::to_string(shards), "--defer-all-reduce",
                              o.strategy_options.defer_all_reduce ? "true" : "false"});
@@ -427,7 +429,7 @@ std::vector<std::string> to_args(const RunOptions& o) {
     args.push_back(value);
   }
   // After the cap itself, which stays the cap auto starts from (CLI11 keeps a repeated flag's values in order).
-  if (o.strategy_options.auto_caps && has_buckets(o.strategy)) {
+  if (o.strategy_options.auto_caps && can.buckets) {
     args.push_back("--bucket-cap-kb");
     args.push_back("auto");
   }

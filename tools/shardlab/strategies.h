@@ -81,39 +81,45 @@ struct Theory {
 /// The role of a group named by World: "shard(0,1)" -> "shard", "world" -> "world".
 std::string group_role(const std::string& group_name);
 
+/// What a strategy can do, and so which of the run's flags it takes. The tool asks these, never a strategy's
+/// name: a new strategy is one entry in strategies().
+struct Capabilities {
+  bool communicates = true;        ///< false: one device, world size 1, no backend
+  bool buckets = false;            ///< built on stage 02's buckets: --bucket-cap-kb (auto too), --first-bucket-kb
+  bool shards = false;             ///< shards the parameters: its memory is measured, its buffers pooled or not
+  bool prefetches = false;         ///< takes --prefetch-depth and --prefetch-limit
+  bool mesh = false;               ///< runs on an RxS mesh: takes --mesh and --defer-all-reduce
+  bool steps_in_backward = false;  ///< its optimizer steps inside backward: no --clip-norm, --save or --resume
+  /// --clip-norm: the whole gradient exists before any parameter steps.
+  bool clips() const { return !steps_in_backward; }
+  /// --save and --resume: the optimizer's state is one optimizer a checkpoint can name.
+  bool checkpoints() const { return !steps_in_backward; }
+};
+
 /// A named way to train.
 struct Strategy {
   std::string name;         ///< the --strategy value
   std::string description;  ///< one line for the report
-  bool distributed;         ///< false: runs on one rank without communication
+  Capabilities can;         ///< what it can do (which flags it takes)
   /// Expected traffic for `model` (built from the same config) on `world` ranks, training as `train` says.
   std::function<Theory(const Model& model, int world, const StrategyOptions&, const TrainConfig& train)> theory;
-  /// Builds the runner on `world` (null when !distributed); a strategy makes the groups it needs from it (every
-  /// strategy but hsdp: world->world()).
+  /// Builds the runner on `world` (null when it does not communicate); a strategy makes the groups it needs from
+  /// it (every strategy but those on a mesh: world->world()).
   std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, World*)> make;
   /// How each rank builds the model, for the report: "sharded" (unit by unit, Note [Sharded construction]), or
   /// "whole: " and why this strategy cannot do otherwise.
   std::string construction;
 };
 
-/// hsdp's mesh on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the world size is even
-/// and at least 4 (a replica per machine of two, each sharded), else one replica of all ranks (FSDP).
+/// The mesh of a strategy on a mesh, on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the
+/// world size is even and at least 4 (a replica per machine of two, each sharded), else one replica of all ranks
+/// (FSDP).
 /// @throws std::invalid_argument when --mesh does not have `world` ranks, naming both.
 std::pair<int, int> mesh_shape(const StrategyOptions& s, int world);
 
-/// Whether `strategy` shards its parameters (fsdp, fsdp_prefetch, hsdp): its memory figures are measured.
-bool shards_parameters(const std::string& strategy);
-
-/// Whether `strategy` takes --prefetch-depth and --prefetch-limit (fsdp_prefetch and hsdp).
-bool prefetches(const std::string& strategy);
-
-/// True when `strategy` can clip its gradients (--clip-norm): every one but overlap_optimizer, which steps each
-/// bucket's parameters inside backward, before the whole gradient (and so its norm) exists.
-bool clips(const std::string& strategy);
-
-/// True when `strategy` can save and load checkpoints (--save, --resume): every one but overlap_optimizer, whose
-/// per-parameter optimizers live inside its reducer.
-bool checkpoints(const std::string& strategy);
+/// The names of the strategies that have `capability`, in course order, as a sentence lists them: "a", "a and b",
+/// "a, b and c" (for messages that say which strategies take a flag).
+std::string strategies_that(bool Capabilities::*capability);
 
 /// Every strategy built so far, in course order.
 const std::vector<Strategy>& strategies();

@@ -186,7 +186,7 @@ int run_worker_unlimited(const RunOptions& options) {
   RunOptions o = options;
   const Strategy& strategy = find_strategy(o.strategy);
   // One process per GPU, as under torchrun: "cuda" means the GPU of this rank's LOCAL_RANK.
-  const int local_rank = strategy.distributed ? RankEnv::from_environment().local_rank : 0;
+  const int local_rank = strategy.can.communicates ? RankEnv::from_environment().local_rank : 0;
   const c10::Device device = device_for_rank(parse_device(o.train.device), local_rank);
   set_current_device(device);
   o.train.device = device.str();
@@ -194,7 +194,7 @@ int run_worker_unlimited(const RunOptions& options) {
   int rank = 0, world = 1;
   set_yield_to_communication(o.comm_yield);
   if (o.cpu_allocator == "pool") BufferPool::install_for_cpu_tensors();
-  if (strategy.distributed) {
+  if (strategy.can.communicates) {
     GroupOptions group;
     group.timeout = std::chrono::milliseconds(120'000);
     group.kind = o.backend == "nccl" ? BackendKind::kNccl : BackendKind::kGloo;

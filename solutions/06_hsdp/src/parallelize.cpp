@@ -1,7 +1,7 @@
 #include "shardlab/hsdp/parallelize.h"
 
 #include "shardlab/comm_hooks/comm_hook.h"
-#include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/errors.h"
 #include "shardlab/hsdp/hsdp.h"
 #include "shardlab/prefetch/prefetch.h"
 
@@ -14,13 +14,18 @@
 namespace shardlab {
 
 DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp)
-    : model_(std::move(model)), mesh_(mesh), kind_(Kind::kDdp), ddp_(std::move(ddp)) {}
+    : model_(std::move(model)), mesh_(mesh), kind_(Kind::kDdp), ddp_(ddp.get()), wrapper_(std::move(ddp)) {
+  SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null DDP wrapper");
+}
 
 DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded)
     : model_(std::move(model)),
       mesh_(mesh),
       kind_(mesh.replicate_size() == 1 ? Kind::kFsdp : Kind::kHsdp),
-      sharded_(std::move(sharded)) {}
+      sharded_(sharded.get()),
+      wrapper_(std::move(sharded)) {
+  SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null sharded wrapper");
+}
 
 DataParallel::~DataParallel() = default;
 
@@ -34,47 +39,6 @@ std::string DataParallel::kind_name() const {
       return "hsdp";
   }
   return "?";
-}
-
-at::Tensor DataParallel::loss(const Batch& batch) { return ddp_ ? ddp_->loss(batch) : sharded_->loss(batch); }
-
-NoSync DataParallel::no_sync() { return ddp_ ? ddp_->no_sync() : sharded_->no_sync(); }
-
-std::vector<at::Tensor> DataParallel::parameters() {
-  if (sharded_) return sharded_->parameters();
-  return trainable_parameters(*model_);  // a tied weight once, as the replica's DDP reduces it
-}
-
-double DataParallel::clip_grad_norm(double max_norm, double p) {
-  return sharded_ ? sharded_->clip_grad_norm(max_norm, p) : ddp_->clip_grad_norm(max_norm, p);
-}
-
-void DataParallel::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
-                                   const std::map<std::string, std::string>& metadata) {
-  if (kind_ == Kind::kDdp) return ddp_->save_checkpoint(dir, optimizer, metadata);
-  sharded_->save_checkpoint(dir, optimizer, metadata);  // the first replica's ranks write; the whole mesh agrees
-}
-
-std::map<std::string, std::string> DataParallel::load_checkpoint(const std::string& path,
-                                                                 torch::optim::Optimizer* optimizer,
-                                                                 bool optimizer_if_saved, const SavedNames& names) {
-  if (kind_ == Kind::kDdp) return ddp_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
-  return sharded_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
-}
-
-std::vector<std::pair<std::string, at::Tensor>> DataParallel::full_state_dict() {
-  if (sharded_) return sharded_->full_state_dict();
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& [name, t] : named_state(*model_, StateParts::kParametersAndBuffers, /*once=*/false))
-    out.emplace_back(name, t.detach().clone());
-  return out;
-}
-
-std::vector<at::Tensor> DataParallel::full_parameters() {
-  if (sharded_) return sharded_->full_parameters();
-  std::vector<at::Tensor> out;
-  for (const auto& p : model_->parameters()) out.push_back(p.detach().clone());
-  return out;
 }
 
 void DataParallel::set_requires_all_reduce(bool requires_all_reduce) {

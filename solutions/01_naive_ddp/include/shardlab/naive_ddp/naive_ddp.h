@@ -22,11 +22,15 @@
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
+#include "shardlab/core/model/parallel_model.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
+#include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab::naive_ddp {
@@ -41,21 +45,21 @@ namespace shardlab::naive_ddp {
 ///  - Every rank must produce gradients for the same parameters in the same backward pass (else a collective
 ///    times out and backward throws).
 ///  - The model and the Communicator must outlive the NaiveDDP. Not copyable or movable (hooks point to it).
-class NaiveDDP {
+class NaiveDDP : public ParallelModel {
  public:
   /// Broadcasts `module`'s parameters and buffers from rank 0 and watches every trainable parameter's gradient
   /// (a GradientReadiness calls `on_gradient_ready(i)` and, once per backward, `finish_sync()`).
   /// @param module the model to replicate; NaiveDDP shares ownership.
   /// @param comm the data-parallel group; its recorder sees every collective.
   NaiveDDP(std::shared_ptr<Model> module, Communicator& comm);
-  ~NaiveDDP();
+  ~NaiveDDP() override;
   NaiveDDP(const NaiveDDP&) = delete;
   NaiveDDP& operator=(const NaiveDDP&) = delete;
 
   /// The wrapped model's mean loss on this rank's `batch`; call `.backward()` on it to train.
   /// If the previous backward was aborted (an exception) before its end-of-backward callback ran, this first
   /// waits for the all-reduces it had launched, so a failed step cannot leave work pending into the next one.
-  at::Tensor loss(const Batch& batch);
+  at::Tensor loss(const Batch& batch) override;
   /// The wrapped model (for the optimizer and for checkpoints).
   Model& module() { return *module_; }
 
@@ -65,7 +69,7 @@ class NaiveDDP {
   ///   { auto scope = ddp.no_sync(); ddp.loss(mb0).backward(); }   // local accumulation
   ///   ddp.loss(mb1).backward();                                   // accumulated grads are averaged here
   /// @endcode
-  [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
+  [[nodiscard]] NoSync no_sync() override { return NoSync(sync_enabled_); }
 
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
@@ -78,7 +82,7 @@ class NaiveDDP {
   /// @return the total norm before clipping.
   /// @throws std::logic_error inside no_sync (the gradients are this rank's own, not averaged yet);
   ///         std::invalid_argument for a negative max_norm or a p that is not positive.
-  double clip_grad_norm(double max_norm, double p = 2.0);
+  double clip_grad_norm(double max_norm, double p = 2.0) override;
 
   /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing the
   /// one there atomically (training_state.h, checkpoint.h). Every rank holds the same replica: rank 0 writes it.
@@ -88,7 +92,7 @@ class NaiveDDP {
   /// @param metadata strings to keep with the checkpoint (the step, the data position).
   /// @throws as save_training_checkpoint, on every rank alike.
   void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
-                       const std::map<std::string, std::string>& metadata = {});
+                       const std::map<std::string, std::string>& metadata = {}) override;
   /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file) into the model and,
   /// when not null, `optimizer`; all or nothing. A collective: every rank calls it, between steps.
   /// @param path the checkpoint's directory, or a safetensors file.
@@ -100,7 +104,21 @@ class NaiveDDP {
   /// @return the saved metadata.
   /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
+                                                     bool optimizer_if_saved = false,
+                                                     const SavedNames& names = {}) override;
+
+  /// The replica's trainable parameters (a tied weight once), registration order: what the optimizer steps.
+  std::vector<at::Tensor> parameters() const override { return trainable_parameters(*module_); }
+  /// Every parameter of the replica, in registration order (no collective: every rank holds them whole).
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
+    visit_replica_parameters(*module_, visit);
+  }
+  /// Copies of the replica's parameters, registration order (no collective).
+  std::vector<at::Tensor> full_parameters() override { return replica_full_parameters(*module_); }
+  /// Copies of the replica's state, named, as PyTorch's state_dict() (no collective).
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
+    return replica_full_state_dict(*module_);
+  }
 
  private:
   // ---- Task 2: gradient synchronization. The given code calls these two; the state they share is yours (below).

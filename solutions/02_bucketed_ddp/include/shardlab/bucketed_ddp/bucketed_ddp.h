@@ -29,11 +29,14 @@
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
+#include "shardlab/core/model/parallel_model.h"
 
+#include <cstddef>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardlab::bucketed_ddp {
@@ -72,27 +75,27 @@ struct Bucket {
 ///    `find_unused_parameters` is set; otherwise backward throws an error that names the parameters.
 ///  - Frozen parameters (requires_grad false) never enter a bucket.
 ///  - The model and the Communicator must outlive the BucketedDDP. Not copyable or movable (hooks point to it).
-class BucketedDDP {
+class BucketedDDP : public ParallelModel {
  public:
   /// Broadcasts the model's state from rank 0, lays gradients out in buckets (reverse registration order) and
   /// installs one post-accumulate hook per trainable parameter.
   /// @throws std::invalid_argument on a null model, non-positive caps, a model without trainable parameters, or
   ///         trainable parameters on more than one device.
   BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Options options = {});
-  ~BucketedDDP();
+  ~BucketedDDP() override;
   BucketedDDP(const BucketedDDP&) = delete;
   BucketedDDP& operator=(const BucketedDDP&) = delete;
 
   /// The forward: the wrapped model's mean loss on this rank's `batch`. Before it, settles a backward that ended
   /// early, applies a pending bucket rebuild (a collective) and re-attaches gradient views; with
   /// `find_unused_parameters`, marks the parameters the loss does not depend on as ready.
-  at::Tensor loss(const Batch& batch);
+  at::Tensor loss(const Batch& batch) override;
   /// The wrapped model.
   Model& module() { return *module_; }
 
   /// Skips communication for backward passes run while the returned scope lives (gradient accumulation); the
   /// first backward after it averages the accumulated gradients.
-  [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
+  [[nodiscard]] NoSync no_sync() override { return NoSync(sync_enabled_); }
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
   /// Clips the gradients by their global p-norm, as NaiveDDP::clip_grad_norm: call it between
@@ -103,7 +106,7 @@ class BucketedDDP {
   /// @return the total norm before clipping.
   /// @throws std::logic_error inside no_sync (the gradients are this rank's own, not averaged yet);
   ///         std::invalid_argument for a negative max_norm or a p that is not positive.
-  double clip_grad_norm(double max_norm, double p = 2.0);
+  double clip_grad_norm(double max_norm, double p = 2.0) override;
 
   /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing the
   /// one there atomically (training_state.h, checkpoint.h). Every rank holds the same replica: rank 0 writes it.
@@ -113,7 +116,7 @@ class BucketedDDP {
   /// @param metadata strings to keep with the checkpoint (the step, the data position).
   /// @throws as save_training_checkpoint, on every rank alike.
   void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
-                       const std::map<std::string, std::string>& metadata = {});
+                       const std::map<std::string, std::string>& metadata = {}) override;
   /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file) into the model and,
   /// when not null, `optimizer`; all or nothing. A collective: every rank calls it, between steps.
   /// @param path the checkpoint's directory, or a safetensors file.
@@ -125,10 +128,22 @@ class BucketedDDP {
   /// @return the saved metadata.
   /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
+                                                     bool optimizer_if_saved = false,
+                                                     const SavedNames& names = {}) override;
 
-  /// The trainable parameters, in registration order (bucket indices refer to these).
-  const std::vector<at::Tensor>& parameters() const { return params_; }
+  /// The trainable parameters (a tied weight once), in registration order (bucket indices refer to these): what
+  /// the optimizer steps.
+  std::vector<at::Tensor> parameters() const override { return params_; }
+  /// Every parameter of the replica, in registration order (no collective: every rank holds them whole).
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
+    visit_replica_parameters(*module_, visit);
+  }
+  /// Copies of the replica's parameters, registration order (no collective).
+  std::vector<at::Tensor> full_parameters() override { return replica_full_parameters(*module_); }
+  /// Copies of the replica's state, named, as PyTorch's state_dict() (no collective).
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
+    return replica_full_state_dict(*module_);
+  }
   /// Their names ("block0.fc.weight").
   const std::vector<std::string>& parameter_names() const { return names_; }
   /// The buckets, in launch order.

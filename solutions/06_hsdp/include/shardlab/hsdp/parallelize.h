@@ -20,6 +20,7 @@
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
+#include "shardlab/core/model/parallel_model.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
 #include "shardlab/prefetch/prefetch_policy.h"
@@ -54,9 +55,12 @@ struct ParallelPolicy {
   ReductionPolicy reduction;             ///< the gradients' wire and unused parameters
 };
 
-/// A model trained data-parallel on a mesh: what parallelize() returns. Owns the wrapper and shares the model; the
-/// mesh (and the World it was made of) must outlive it.
-class DataParallel {
+/// A model trained data-parallel on a mesh: what parallelize() returns. A ParallelModel (parallel_model.h) that
+/// hands every call to the wrapper the mesh's shape gave, so a training loop holds a `ParallelModel&` whatever
+/// the shape; what only one wrapper has is reached through ddp() or sharded(). Owns the wrapper and shares the
+/// model; the mesh (and the World it was made of) must outlive it. Every collective is over the wrapper's groups:
+/// construction, checkpoints and clipping over the whole mesh.
+class DataParallel : public ParallelModel {
  public:
   /// Which wrapper the mesh's shape gave.
   enum class Kind { kDdp, kFsdp, kHsdp };
@@ -65,7 +69,7 @@ class DataParallel {
   DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp);
   /// Wraps an FSDP (R = 1) or HSDP wrapper.
   DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded);
-  ~DataParallel();
+  ~DataParallel() override;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
@@ -73,54 +77,38 @@ class DataParallel {
   Kind kind() const { return kind_; }
   /// "ddp", "fsdp" or "hsdp".
   std::string kind_name() const;
-  /// The forward: the model's mean loss on this rank's slice. Call `backward()` on it; after backward returns
-  /// (outside no_sync) the gradients are the mean over all ranks' slices.
-  at::Tensor loss(const Batch& batch);
-  /// Gradient accumulation: backward passes inside the scope keep their gradients local; the first one after it
-  /// reduces them all.
-  [[nodiscard]] NoSync no_sync();
-  /// What the optimizer steps: the replica's trainable parameters (DDP), or this rank's shards (FSDP, HSDP).
-  std::vector<at::Tensor> parameters();
-  /// Every parameter of the model as one device holds it, registration order. A collective (FSDP and HSDP gather):
-  /// every rank calls it.
-  std::vector<at::Tensor> full_parameters();
-  /// The model as one device holds it, named, as FullyShardedModel::full_state_dict (DDP: copies of the replica's
-  /// tensors). A collective (FSDP and HSDP gather): every rank calls it.
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
-  /// Clips the gradients by the whole model's p-norm, as PyTorch's clip_grad_norm_ (grad_clip.h): DDP with no
-  /// collective, FSDP and HSDP with one all-reduce over the shard group (replicas counted once). Call it on every
-  /// rank between backward and the optimizer's step. @return the total norm before clipping.
-  /// @throws as BucketedDDP::clip_grad_norm and FullyShardedModel::clip_grad_norm.
-  double clip_grad_norm(double max_norm, double p = 2.0);
-  /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing the
-  /// one there atomically (training_state.h, checkpoint.h): DDP's rank 0 writes the replica; FSDP's ranks each
-  /// write their rows; under HSDP the first replica's ranks write theirs (the other replicas hold the same). Any
-  /// wrapper at any mesh shape loads it. A collective over the whole world, between steps.
-  /// @param dir the checkpoint's directory (on a filesystem every rank sees).
-  /// @param optimizer built over parameters(); null to save the model only.
-  /// @param metadata strings to keep with the checkpoint (rank 0's).
-  /// @throws as save_training_checkpoint, on every rank alike.
+
+  // ParallelModel, as the wrapper answers it (BucketedDDP's or FullyShardedModel's contract): parameters() are the
+  // replica's trainable parameters (DDP) or this rank's shards (FSDP, HSDP); full_*() gather under FSDP and HSDP;
+  // clip_grad_norm runs no collective under DDP and one all-reduce over the shard group otherwise (replicas counted
+  // once); checkpoints are written by DDP's rank 0, by FSDP's ranks each their rows, under HSDP by the first
+  // replica's ranks, and any wrapper at any mesh shape loads them.
+  at::Tensor loss(const Batch& batch) override { return wrapper_->loss(batch); }
+  [[nodiscard]] NoSync no_sync() override { return wrapper_->no_sync(); }
+  std::vector<at::Tensor> parameters() const override { return wrapper_->parameters(); }
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
+    wrapper_->visit_full_parameters(visit);
+  }
+  std::vector<at::Tensor> full_parameters() override { return wrapper_->full_parameters(); }
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override { return wrapper_->full_state_dict(); }
+  double clip_grad_norm(double max_norm, double p = 2.0) override { return wrapper_->clip_grad_norm(max_norm, p); }
   void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
-                       const std::map<std::string, std::string>& metadata = {});
-  /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file); all or nothing. A
-  /// collective over the whole world, between steps.
-  /// @param path the checkpoint's directory, or a safetensors file.
-  /// @param optimizer built over parameters(); null to load the model only.
-  /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
-  ///        leaves `optimizer` as it is (load_training_checkpoint).
-  /// @param names the model's name of each saved tensor, for a file named otherwise (a Hugging Face file's dotted
-  ///        names; checkpoint.h's SavedNames); empty: the saved names. A tied weight loads under any of its names.
-  /// @return the saved metadata.
-  /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
+                       const std::map<std::string, std::string>& metadata = {}) override {
+    wrapper_->save_checkpoint(dir, optimizer, metadata);
+  }
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
+                                                     bool optimizer_if_saved = false,
+                                                     const SavedNames& names = {}) override {
+    return wrapper_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
+  }
+
   /// HSDP: defers (false) or restores (true) the all-reduce across replicas, for accumulation (see
   /// hsdp::set_requires_all_reduce). @throws std::invalid_argument for DDP and FSDP, which have no such all-reduce.
   void set_requires_all_reduce(bool requires_all_reduce);
   /// The FSDP or HSDP wrapper (null for DDP): its memory figures, units, observer.
-  fsdp::FullyShardedModel* sharded() { return sharded_.get(); }
+  fsdp::FullyShardedModel* sharded() { return sharded_; }
   /// The DDP wrapper (null for FSDP and HSDP): its buckets.
-  bucketed_ddp::BucketedDDP* ddp() { return ddp_.get(); }
+  bucketed_ddp::BucketedDDP* ddp() { return ddp_; }
   /// The mesh it runs on.
   Mesh& mesh() { return mesh_; }
 
@@ -128,8 +116,9 @@ class DataParallel {
   std::shared_ptr<Model> model_;
   Mesh& mesh_;
   Kind kind_;
-  std::unique_ptr<bucketed_ddp::BucketedDDP> ddp_;
-  std::unique_ptr<fsdp::FullyShardedModel> sharded_;
+  bucketed_ddp::BucketedDDP* ddp_ = nullptr;    // wrapper_ when it is DDP
+  fsdp::FullyShardedModel* sharded_ = nullptr;  // wrapper_ when it is FSDP or HSDP
+  std::unique_ptr<ParallelModel> wrapper_;      // never null
 };
 
 /// Wraps `model` for data parallelism on `mesh` as its shape says (see the file comment), with `policy`. Every

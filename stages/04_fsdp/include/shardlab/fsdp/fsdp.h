@@ -32,6 +32,7 @@
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
+#include "shardlab/core/model/parallel_model.h"
 #include "shardlab/fsdp/fsdp_unit.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mesh_info.h"
@@ -168,7 +169,7 @@ struct MemoryTheory {
 ///    once every other one was waited for; nothing stays pending, and the wrapper is as it was.
 ///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
 ///    the wrapper is gone the model's registered parameters have no storage: read `full_parameters()` before.
-class FullyShardedModel {
+class FullyShardedModel : public ParallelModel {
  public:
   /// Broadcasts the model's state from rank 0 of the mesh, shards every unit and the root over `mesh.shard`, and
   /// puts itself into the units' slots.
@@ -199,35 +200,35 @@ class FullyShardedModel {
   /// Sharded construction of FSDP on one group: the constructor above with MeshInfo::fsdp(comm).
   FullyShardedModel(const ModelBuilder& build, Communicator& comm, Options options = {},
                     const c10::Device& device = c10::Device(c10::kCPU));
-  ~FullyShardedModel();
+  ~FullyShardedModel() override;
   FullyShardedModel(const FullyShardedModel&) = delete;
   FullyShardedModel& operator=(const FullyShardedModel&) = delete;
 
   /// The forward: this rank's mean loss on `batch`. Settles a backward that ended early first.
-  at::Tensor loss(const Batch& batch);
+  at::Tensor loss(const Batch& batch) override;
   /// The wrapped model (its registered parameters are the gathered tensors; see the contract).
   Model& module() { return *model_; }
 
   /// The trainable sharded parameters (this rank's rows, original dtype), in the model's registration order:
   /// what the optimizer steps.
-  std::vector<at::Tensor> parameters() const;
+  std::vector<at::Tensor> parameters() const override;
   /// Every parameter's full values in the original dtype, in the model's registration order (fresh tensors).
   /// A collective: every rank must call it.
-  std::vector<at::Tensor> full_parameters();
+  std::vector<at::Tensor> full_parameters() override;
   /// full_parameters for a model larger than one rank: calls `visit(index, full)` for every parameter in
   /// registration order (`index` counts them from 0), gathering a unit's full values when its first parameter comes
   /// and dropping them when the order moves to another unit, so at most one unit's full values are held (a unit
   /// the order comes back to is gathered again). `full` is fresh, in the original dtype; `visit` may keep it. A
   /// collective: every rank must call it.
-  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit);
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override;
   /// The model as one device holds it, named: (full name, fresh full tensor) for every parameter in registration
   /// order (a tied weight under each of its names), then every buffer: PyTorch's state_dict() of the unsharded
   /// model. A collective: every rank must call it.
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
 
   /// Skips the reduce-scatters for backward passes run while the returned scope lives (gradient accumulation):
   /// unsharded gradients accumulate (in the reduce dtype) and the first backward after the scope reduces them.
-  [[nodiscard]] NoSync no_sync() { return NoSync(sync_enabled_); }
+  [[nodiscard]] NoSync no_sync() override { return NoSync(sync_enabled_); }
   /// True unless inside a `no_sync` scope.
   bool sync_enabled() const { return sync_enabled_; }
   /// Clips the sharded gradients by the global p-norm of the whole model's gradient, as PyTorch's clip_grad_norm_
@@ -242,7 +243,7 @@ class FullyShardedModel {
   ///         reducer has deferred its second phase (GradientReducer::deferred: HSDP's all-reduce);
   ///         std::invalid_argument for a negative max_norm or
   ///         a p that is not positive.
-  double clip_grad_norm(double max_norm, double p = 2.0);
+  double clip_grad_norm(double max_norm, double p = 2.0) override;
 
   /// This rank's part of the model's state, for a checkpoint (training_state.h): every parameter's real rows as
   /// its sharded parameter holds them (full name, full sizes, its torch.chunk rows: never the padding), in
@@ -258,7 +259,7 @@ class FullyShardedModel {
   /// @param metadata strings to keep with the checkpoint (rank 0's).
   /// @throws as save_training_checkpoint, on every rank alike.
   void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
-                       const std::map<std::string, std::string>& metadata = {});
+                       const std::map<std::string, std::string>& metadata = {}) override;
   /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file): each rank reads the
   /// saved rows that overlap its own; all or nothing. A collective over every rank of the mesh, between steps.
   /// @param path the checkpoint's directory, or a safetensors file.
@@ -270,7 +271,8 @@ class FullyShardedModel {
   /// @return the saved metadata.
   /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
-                                                     bool optimizer_if_saved = false, const SavedNames& names = {});
+                                                     bool optimizer_if_saved = false,
+                                                     const SavedNames& names = {}) override;
 
   /// Where the wrapper sits: its shard group, and under HSDP its replicate group and replica.
   const MeshInfo& mesh_info() const { return mesh_; }

@@ -1,0 +1,85 @@
+#pragma once
+/// @file parallel_model.h
+/// What every data-parallel wrapper offers, whatever it does with the gradients: naive and bucketed DDP (a whole
+/// replica on every rank), FSDP and HSDP (shards), and what parallelize() returns. Code that trains a model (a
+/// training loop, the `shardlab` tool, a test that runs every strategy alike) holds a `ParallelModel&` and never
+/// asks which wrapper it has; what only one wrapper has (buckets, units, memory figures) stays on that wrapper.
+///
+/// Vocabulary:
+///  - *full*: as one device holds the model, unsharded, every parameter whole.
+///  - *the step's parameters*: what the optimizer is built over and steps: a replica's trainable parameters, or
+///    this rank's shards.
+
+#include "shardlab/core/checkpoint/checkpoint.h"
+#include "shardlab/core/model/model.h"
+#include "shardlab/core/model/no_sync.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace shardlab {
+
+/// A model trained data-parallel. Every method but parameters() is a collective where the wrapper communicates:
+/// every rank of its group calls it alike, in the same order.
+class ParallelModel {
+ public:
+  virtual ~ParallelModel() = default;
+
+  /// The forward: the model's mean loss on this rank's `batch`. Call `.backward()` on it; after backward returns
+  /// (outside no_sync) the gradients of the step's parameters are the mean over every rank's batch.
+  virtual at::Tensor loss(const Batch& batch) = 0;
+  /// Gradient accumulation: backward passes inside the scope keep their gradients local; the first one after it
+  /// reduces them all.
+  [[nodiscard]] virtual NoSync no_sync() = 0;
+  /// The step's parameters (see the vocabulary), in a fixed order: build the optimizer over them.
+  virtual std::vector<at::Tensor> parameters() const = 0;
+  /// Calls `visit(i, full)` for every parameter i of the model in registration order, each full, one at a time:
+  /// `full` is valid only during the call (a sharded wrapper gathers one unit at a time and frees it after).
+  virtual void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) = 0;
+  /// Every parameter of the model, full, in registration order: fresh tensors.
+  virtual std::vector<at::Tensor> full_parameters() = 0;
+  /// The model as one device holds it, named: PyTorch's state_dict() of the whole model (parameters in
+  /// registration order, a tied weight under each of its names, then buffers), fresh tensors.
+  virtual std::vector<std::pair<std::string, at::Tensor>> full_state_dict() = 0;
+  /// Clips the gradients of the step's parameters by the whole model's p-norm, as PyTorch's clip_grad_norm_
+  /// (grad_clip.h). Call it on every rank between backward and the optimizer's step.
+  /// @return the total norm before clipping.
+  virtual double clip_grad_norm(double max_norm, double p) = 0;
+  /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing
+  /// the one there atomically (training_state.h). Any wrapper at any world size loads it.
+  /// @param optimizer built over parameters(); null to save the model only.
+  /// @param metadata strings to keep with the checkpoint (rank 0's).
+  virtual void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                               const std::map<std::string, std::string>& metadata) = 0;
+  /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file); all or nothing.
+  /// @param optimizer built over parameters(); null to load the model only.
+  /// @param optimizer_if_saved true: a checkpoint of weights only loads the model and leaves `optimizer` as is.
+  /// @param names the model's name of each saved tensor (checkpoint.h's SavedNames); empty: the saved names.
+  /// @return the saved metadata.
+  virtual std::map<std::string, std::string> load_checkpoint(const std::string& path,
+                                                             torch::optim::Optimizer* optimizer,
+                                                             bool optimizer_if_saved, const SavedNames& names) = 0;
+};
+
+/// What a replicating wrapper (one whole replica per rank) answers for the full model: copies of its own tensors.
+/// @{
+/// Every parameter of `model`, in registration order, detached fresh copies.
+std::vector<at::Tensor> replica_full_parameters(const Model& model);
+/// `model`'s parameters (a tied weight under each of its names), then its buffers, named, detached fresh copies.
+std::vector<std::pair<std::string, at::Tensor>> replica_full_state_dict(const Model& model);
+/// Calls `visit(i, p)` for every parameter of `model` in registration order, on the replica's own tensor.
+void visit_replica_parameters(const Model& model,
+                              const std::function<void(size_t index, const at::Tensor& full)>& visit);
+/// @}
+
+}  // namespace shardlab

@@ -1,0 +1,284 @@
+// The runners of the strategies' steps (runners.h).
+#include "runners.h"
+
+#include "traffic.h"
+
+#include "shardlab/core/checkpoint/training_state.h"
+#include "shardlab/core/comm/process_group.h"
+#include "shardlab/core/compat.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/model/grad_clip.h"
+#include "shardlab/course/data.h"
+#include "shardlab/fsdp/fsdp.h"
+#include "shardlab/hsdp/parallelize.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardlab::cli {
+namespace {
+
+// The single-device "wrapper": no communication at all.
+class SingleDevice : public ParallelModel {
+ public:
+  explicit SingleDevice(std::shared_ptr<Model> m) : model_(std::move(m)) {}
+  at::Tensor loss(const Batch& b) override { return model_->loss(b); }
+  NoSync no_sync() override { return NoSync(sync_enabled_); }  // nothing to keep from syncing
+  std::vector<at::Tensor> parameters() const override { return trainable_parameters(*model_); }
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
+    visit_replica_parameters(*model_, visit);
+  }
+  std::vector<at::Tensor> full_parameters() override { return replica_full_parameters(*model_); }
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
+    return replica_full_state_dict(*model_);
+  }
+  double clip_grad_norm(double max_norm, double p) override {
+    return shardlab::clip_grad_norm(model_->parameters(), max_norm, p, nullptr);
+  }
+  // Checkpoints go through a group of one rank (no peer: its collectives return at once).
+  void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
+                       const std::map<std::string, std::string>& metadata) override {
+    save_training_checkpoint(dir, replicated_state(*model_, 0), optimizer, alone(), metadata);
+  }
+  std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
+                                                     bool optimizer_if_saved, const SavedNames& names) override {
+    return load_training_checkpoint(path, replicated_state(*model_, 0), optimizer, alone(), optimizer_if_saved, names);
+  }
+
+ private:
+  Communicator& alone() {
+    if (!alone_) alone_ = make_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 1, "single");
+    return *alone_;
+  }
+  std::shared_ptr<Model> model_;
+  std::shared_ptr<Communicator> alone_;
+  bool sync_enabled_ = true;
+};
+
+// Bytes of every parameter, and of every trainable parameter's gradient: what a replica holds.
+MemoryFigures replica_memory(const Model& model) {
+  MemoryFigures m;
+  for (const auto& [name, p] : named_state(model, StateParts::kParameters, /*once=*/true)) {
+    m.peak_param_bytes += static_cast<double>(p.numel() * p.element_size());
+    if (p.requires_grad()) m.peak_grad_bytes += static_cast<double>(p.numel() * p.element_size());
+  }
+  m.peak_param_bytes_theory = m.peak_param_bytes;
+  m.peak_grad_bytes_theory = m.peak_grad_bytes;
+  return m;
+}
+
+// What a runner reads beyond ParallelModel, from the wrapper that has it: stage 02's buckets, FSDP's own memory
+// figures and counters (a DataParallel answers for the wrapper it holds).
+struct WrapperParts {
+  bucketed_ddp::BucketedDDP* ddp = nullptr;
+  fsdp::FullyShardedModel* sharded = nullptr;
+};
+WrapperParts parts_of(ParallelModel& wrapper) {
+  if (auto* dp = dynamic_cast<DataParallel*>(&wrapper)) return {dp->ddp(), dp->sharded()};
+  return {dynamic_cast<bucketed_ddp::BucketedDDP*>(&wrapper), dynamic_cast<fsdp::FullyShardedModel*>(&wrapper)};
+}
+
+// Runs micro-batches and the optimizer on any ParallelModel, which decides how gradients are synchronized. With an
+// `overlapped` optimizer (stage 03's hook_then_optimizer, already in the wrapper's reducer) the synchronized
+// backward steps the parameters itself, and there is no optimizer step after it. `keep` is whatever the wrapper
+// needs alive until it is gone (HSDP's mesh).
+class WrappedRunner : public StepRunner {
+ public:
+  WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<ParallelModel> wrapper,
+                std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr,
+                std::shared_ptr<void> keep = nullptr, MicroBatchHook accumulation = nullptr)
+      : keep_(std::move(keep)),
+        accumulation_(std::move(accumulation)),
+        config_(c),
+        model_(std::move(model)),
+        wrapper_(std::move(wrapper)),
+        parts_(parts_of(*wrapper_)),
+        overlapped_(std::move(overlapped)),
+        optimizer_(overlapped_ ? nullptr : make_optimizer(c.optimizer, wrapper_->parameters(), c.lr)) {
+    // check_run_options refuses --clip-norm for a strategy that steps inside backward (Capabilities::clips)
+    SHARDLAB_INTERNAL_ASSERT(c.clip_norm <= 0 || optimizer_ != nullptr, "--clip-norm with an overlapped optimizer");
+  }
+
+  double step(const Batch& local) override {
+    const int step = static_cast<int>(local.step);
+    if (overlapped_)
+      overlapped_->zero_grad();
+    else
+      compat::zero_grad(*optimizer_);
+    if (parts_.sharded) parts_.sharded->reset_memory_peaks();  // FSDP measures its own buffers, per step
+    const int m = config_.micro_batches;
+    double loss_sum = 0;
+    auto micro = micro_batches(local, m);
+    for (int i = 0; i < m; ++i) {
+      auto run = [&] {
+        at::Tensor loss;
+        {
+          Timeline::Scope span(timeline_, "forward", step);
+          loss = wrapper_->loss(micro[i]) / m;
+        }
+        Timeline::Scope span(timeline_, "backward", step);
+        loss.backward();
+        loss_sum += loss.item<double>();
+      };
+      if (accumulation_) {
+        accumulation_(i + 1 == m);
+        run();
+      } else if (i + 1 < m) {
+        [[maybe_unused]] auto scope = wrapper_->no_sync();
+        run();
+      } else {
+        run();
+      }
+    }
+    if (optimizer_) {
+      if (config_.clip_norm > 0) {
+        Timeline::Scope span(timeline_, "clip", step);
+        wrapper_->clip_grad_norm(config_.clip_norm, config_.clip_p);
+      }
+      Timeline::Scope span(timeline_, "optimizer", step);
+      optimizer_->step();
+    }
+    const MemoryFigures now = step_memory();
+    memory_.peak_param_bytes = std::max(memory_.peak_param_bytes, now.peak_param_bytes);
+    memory_.peak_grad_bytes = std::max(memory_.peak_grad_bytes, now.peak_grad_bytes);
+    memory_.peak_param_bytes_theory = now.peak_param_bytes_theory;
+    memory_.peak_grad_bytes_theory = now.peak_grad_bytes_theory;
+    return loss_sum;
+  }
+
+  void visit_full_parameters(const ParameterVisitor& visit) override {
+    wrapper_->visit_full_parameters([&visit](size_t, const at::Tensor& p) { visit(p); });
+  }
+  size_t buckets() const override { return parts_.ddp != nullptr ? parts_.ddp->buckets().size() : 0; }
+  MemoryFigures memory() const override { return memory_; }
+  void set_timeline(Timeline* timeline) override {
+    timeline_ = timeline;
+    if (parts_.sharded) parts_.sharded->record_memory_samples(timeline != nullptr);
+  }
+  // Trace counters: FSDP's bytes held over time; nothing for the others.
+  std::vector<CounterSample> counters() const override {
+    std::vector<CounterSample> out;
+    if (!parts_.sharded) return out;
+    for (const auto& s : parts_.sharded->memory_samples())
+      out.push_back(
+          {"fsdp memory",
+           s.ns,
+           {{"param_bytes", static_cast<double>(s.param_bytes)}, {"grad_bytes", static_cast<double>(s.grad_bytes)}}});
+    return out;
+  }
+  void save(const std::string& dir, const std::map<std::string, std::string>& metadata) override {
+    SHARDLAB_INTERNAL_ASSERT(optimizer_ != nullptr, "--save with an overlapped optimizer");  // checkpoints()
+    wrapper_->save_checkpoint(dir, optimizer_.get(), metadata);
+  }
+  std::map<std::string, std::string> load(const std::string& path) override {
+    SHARDLAB_INTERNAL_ASSERT(optimizer_ != nullptr, "--resume with an overlapped optimizer");
+    return wrapper_->load_checkpoint(path, optimizer_.get(), /*optimizer_if_saved=*/true, {});  // weights: fresh
+  }
+
+ protected:
+  // What it reads beyond ParallelModel (AutoCapsRunner: its bucketed DDP).
+  const WrapperParts& parts() const { return parts_; }
+
+ private:
+  // Per step: FSDP's measured peaks beside its theory; the others hold a full replica.
+  MemoryFigures step_memory() const {
+    if (!parts_.sharded) return replica_memory(*model_);
+    const fsdp::MemoryTheory t = parts_.sharded->memory_theory(
+        config_.micro_batches, accumulation_ ? fsdp::Accumulation::kReduce : fsdp::Accumulation::kNoSync);
+    const fsdp::MemoryStats& m = parts_.sharded->memory();
+    return {static_cast<double>(m.peak_param_bytes), static_cast<double>(t.peak_param_bytes),
+            static_cast<double>(m.peak_grad_bytes), static_cast<double>(t.peak_grad_bytes)};
+  }
+
+  std::shared_ptr<void> keep_;  // first: destroyed after the wrapper
+  MicroBatchHook accumulation_;
+  TrainConfig config_;
+  std::shared_ptr<Model> model_;
+  std::unique_ptr<ParallelModel> wrapper_;
+  WrapperParts parts_;                                           // into *wrapper_
+  std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped_;  // null: optimizer_ steps after backward
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  MemoryFigures memory_;
+};
+
+// --bucket-cap-kb auto: after step 2 (the first warm backward, on the rebuilt layout) measure the all-reduce's
+// alpha and beta on the group and let stage 02's cost model choose both caps from that backward's ready times.
+// Ranks saw different ready times: rank 0's choice is broadcast, and every rank lays its buckets out again with it.
+class AutoCapsRunner : public WrappedRunner {
+ public:
+  AutoCapsRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp,
+                 Communicator& comm, std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped)
+      : WrappedRunner(c, model, std::move(ddp), std::move(overlapped)),
+        comm_(comm),
+        device_(model->parameters().front().device()) {}
+
+  double step(const Batch& local) override {
+    const double loss = WrappedRunner::step(local);
+    // After the run's step 2 (index 1), by the step's index: a run resumed later has its caps from the checkpoint.
+    if (local.step == 1) tune();
+    return loss;
+  }
+  std::map<std::string, std::vector<double>> extra() const override { return extra_; }
+  std::pair<size_t, size_t> setup_records() const override { return setup_records_; }
+
+ private:
+  void tune() {
+    bucketed_ddp::BucketedDDP& ddp = *parts().ddp;
+    const size_t first_record = comm_.recorder().size();
+    const bucketed_ddp::LinkCost cost = bucketed_ddp::measure_all_reduce_cost(comm_, device_);
+    const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
+    const bucketed_ddp::BucketCaps before = ddp.caps();
+    // Every rank chooses from its own profile; rank 0's choice is broadcast below.
+    bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost, {}, before);
+    at::Tensor wire = at::tensor({chosen.first_bytes, chosen.bytes}, at::kLong).to(device_);
+    comm_.broadcast(wire, 0).wait();
+    wire = wire.cpu();
+    chosen = {wire[0].item<int64_t>(), wire[1].item<int64_t>()};
+    ddp.set_caps(chosen);
+    // What the new layout must hold: the cap rule over the order it is laid out in (rank 0's, as agree_on_order
+    // gives every rank; the worker reports rank 0's figures), counted apart from stage 02.
+    extra_["auto_caps_buckets_theory"] = {
+        static_cast<double>(buckets_by_cap_rule(profile.params, profile.order, chosen))};
+    // The measurement's collectives are setup, not training traffic.
+    setup_records_ = {first_record, comm_.recorder().size()};
+    extra_["auto_caps"] = {static_cast<double>(chosen.first_bytes),
+                           static_cast<double>(chosen.bytes),
+                           cost.alpha_ns,
+                           cost.beta_ns_per_byte,
+                           bucketed_ddp::modelled_exposed_ns(profile, before, cost),
+                           bucketed_ddp::modelled_exposed_ns(profile, chosen, cost)};
+  }
+
+  Communicator& comm_;
+  c10::Device device_;
+  std::map<std::string, std::vector<double>> extra_;
+  std::pair<size_t, size_t> setup_records_{0, 0};
+};
+
+}  // namespace
+
+std::unique_ptr<ParallelModel> single_device(std::shared_ptr<Model> model) {
+  return std::make_unique<SingleDevice>(std::move(model));
+}
+
+std::unique_ptr<StepRunner> wrapped_runner(const TrainConfig& c, std::shared_ptr<Model> model,
+                                           std::unique_ptr<ParallelModel> wrapper,
+                                           std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped,
+                                           std::shared_ptr<void> keep, MicroBatchHook accumulation) {
+  return std::make_unique<WrappedRunner>(c, std::move(model), std::move(wrapper), std::move(overlapped),
+                                         std::move(keep), std::move(accumulation));
+}
+
+std::unique_ptr<StepRunner> auto_caps_runner(const TrainConfig& c, std::shared_ptr<Model> model,
+                                             std::unique_ptr<bucketed_ddp::BucketedDDP> ddp, Communicator& comm,
+                                             std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped) {
+  return std::make_unique<AutoCapsRunner>(c, std::move(model), std::move(ddp), comm, std::move(overlapped));
+}
+
+}  // namespace shardlab::cli
