@@ -25,6 +25,7 @@ class ConfigBuilder {
   ConfigBuilder& device(std::string v) { return c_.device = std::move(v), *this; }
   ConfigBuilder& layers(int64_t v) { return c_.layers = v, *this; }
   ConfigBuilder& dim(int64_t v) { return c_.dim = v, *this; }
+  ConfigBuilder& clip_norm(double v) { return c_.clip_norm = v, *this; }
 
   /// Optimizer `name` at the learning rate the equivalence tests train it with: 1e-2 for AdamW, 0.05 for SGD.
   ConfigBuilder& optimizer_at_its_lr(const std::string& name) {

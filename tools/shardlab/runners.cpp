@@ -25,19 +25,11 @@ namespace shardlab::cli {
 namespace {
 
 // The single-device "wrapper": no communication at all.
-class SingleDevice : public ParallelModel {
+class SingleDevice : public ReplicatedModel {
  public:
   explicit SingleDevice(std::shared_ptr<Model> m) : model_(std::move(m)) {}
   at::Tensor loss(const Batch& b) override { return model_->loss(b); }
   NoSync no_sync() override { return NoSync(sync_enabled_); }  // nothing to keep from syncing
-  std::vector<at::Tensor> parameters() const override { return trainable_parameters(*model_); }
-  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
-    visit_replica_parameters(*model_, visit);
-  }
-  std::vector<at::Tensor> full_parameters() override { return replica_full_parameters(*model_); }
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
-    return replica_full_state_dict(*model_);
-  }
   double clip_grad_norm(double max_norm, double p) override {
     return shardlab::clip_grad_norm(model_->parameters(), max_norm, p, nullptr);
   }
@@ -50,6 +42,9 @@ class SingleDevice : public ParallelModel {
                                                      bool optimizer_if_saved, const SavedNames& names) override {
     return load_training_checkpoint(path, replicated_state(*model_, 0), optimizer, alone(), optimizer_if_saved, names);
   }
+
+ protected:
+  const Model& replica() const override { return *model_; }
 
  private:
   Communicator& alone() {

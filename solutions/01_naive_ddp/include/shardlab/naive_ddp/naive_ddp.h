@@ -45,7 +45,7 @@ namespace shardlab::naive_ddp {
 ///  - Every rank must produce gradients for the same parameters in the same backward pass (else a collective
 ///    times out and backward throws).
 ///  - The model and the Communicator must outlive the NaiveDDP. Not copyable or movable (hooks point to it).
-class NaiveDDP : public ParallelModel {
+class NaiveDDP : public ReplicatedModel {
  public:
   /// Broadcasts `module`'s parameters and buffers from rank 0 and watches every trainable parameter's gradient
   /// (a GradientReadiness calls `on_gradient_ready(i)` and, once per backward, `finish_sync()`).
@@ -107,18 +107,9 @@ class NaiveDDP : public ParallelModel {
                                                      bool optimizer_if_saved = false,
                                                      const SavedNames& names = {}) override;
 
-  /// The replica's trainable parameters (a tied weight once), registration order: what the optimizer steps.
-  std::vector<at::Tensor> parameters() const override { return trainable_parameters(*module_); }
-  /// Every parameter of the replica, in registration order (no collective: every rank holds them whole).
-  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
-    visit_replica_parameters(*module_, visit);
-  }
-  /// Copies of the replica's parameters, registration order (no collective).
-  std::vector<at::Tensor> full_parameters() override { return replica_full_parameters(*module_); }
-  /// Copies of the replica's state, named, as PyTorch's state_dict() (no collective).
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
-    return replica_full_state_dict(*module_);
-  }
+ protected:
+  /// ReplicatedModel: the replica this rank holds.
+  const Model& replica() const override { return *module_; }
 
  private:
   // ---- Task 2: gradient synchronization. The given code calls these two; the state they share is yours (below).

@@ -75,7 +75,7 @@ struct Bucket {
 ///    `find_unused_parameters` is set; otherwise backward throws an error that names the parameters.
 ///  - Frozen parameters (requires_grad false) never enter a bucket.
 ///  - The model and the Communicator must outlive the BucketedDDP. Not copyable or movable (hooks point to it).
-class BucketedDDP : public ParallelModel {
+class BucketedDDP : public ReplicatedModel {
  public:
   /// Broadcasts the model's state from rank 0, lays gradients out in buckets (reverse registration order) and
   /// installs one post-accumulate hook per trainable parameter.
@@ -134,16 +134,6 @@ class BucketedDDP : public ParallelModel {
   /// The trainable parameters (a tied weight once), in registration order (bucket indices refer to these): what
   /// the optimizer steps.
   std::vector<at::Tensor> parameters() const override { return params_; }
-  /// Every parameter of the replica, in registration order (no collective: every rank holds them whole).
-  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override {
-    visit_replica_parameters(*module_, visit);
-  }
-  /// Copies of the replica's parameters, registration order (no collective).
-  std::vector<at::Tensor> full_parameters() override { return replica_full_parameters(*module_); }
-  /// Copies of the replica's state, named, as PyTorch's state_dict() (no collective).
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override {
-    return replica_full_state_dict(*module_);
-  }
   /// Their names ("block0.fc.weight").
   const std::vector<std::string>& parameter_names() const { return names_; }
   /// The buckets, in launch order.
@@ -169,6 +159,10 @@ class BucketedDDP : public ParallelModel {
   /// @throws std::invalid_argument for a non-positive cap; std::logic_error before the first synchronized backward
   ///         has completed (there is no ready order yet).
   void set_caps(BucketCaps caps);
+
+ protected:
+  /// ReplicatedModel: the replica this rank holds.
+  const Model& replica() const override { return *module_; }
 
  private:
   // ---- Given: layout plumbing, the forward, the hooks' entry, the end of backward and the rebuild.

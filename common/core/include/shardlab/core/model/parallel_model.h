@@ -71,15 +71,22 @@ class ParallelModel {
                                                              bool optimizer_if_saved, const SavedNames& names) = 0;
 };
 
-/// What a replicating wrapper (one whole replica per rank) answers for the full model: copies of its own tensors.
-/// @{
-/// Every parameter of `model`, in registration order, detached fresh copies.
-std::vector<at::Tensor> replica_full_parameters(const Model& model);
-/// `model`'s parameters (a tied weight under each of its names), then its buffers, named, detached fresh copies.
-std::vector<std::pair<std::string, at::Tensor>> replica_full_state_dict(const Model& model);
-/// Calls `visit(i, p)` for every parameter of `model` in registration order, on the replica's own tensor.
-void visit_replica_parameters(const Model& model,
-                              const std::function<void(size_t index, const at::Tensor& full)>& visit);
-/// @}
+/// A ParallelModel whose every rank holds the whole model (DDP, one device): it answers for the full model from its
+/// own replica, with no collective.
+class ReplicatedModel : public ParallelModel {
+ public:
+  /// The replica's trainable parameters (a tied weight once), registration order.
+  std::vector<at::Tensor> parameters() const override;
+  /// Every parameter of the replica, in registration order, on the replica's own tensors.
+  void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) override;
+  /// Copies of every parameter of the replica, registration order.
+  std::vector<at::Tensor> full_parameters() override;
+  /// Copies of the replica's state, named: its parameters (a tied weight under each of its names), then buffers.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override;
+
+ protected:
+  /// The model this rank holds whole.
+  virtual const Model& replica() const = 0;
+};
 
 }  // namespace shardlab
