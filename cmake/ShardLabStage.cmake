@@ -48,7 +48,7 @@ endfunction()
 # compares its time. Later stages include the region-free headers (naive_ddp/broadcast_state.h,
 # bucketed_ddp/bucket_reducer.h), not the headers with regions, so their libraries
 # are not recompiled; what does include a region header (that stage's and stage 03's tests, the tool's
-# strategies.cpp) is.
+# strategies.cpp and runners.cpp) is.
 # Why a forwarder and not a copy: a copy is taken when CMake configures, so a header a student edits while a build
 # runs was compiled from the stale copy, and the compiler's errors named the copy under build/, a file the student
 # never wrote. Through the forwarder the compiler reads the student's file itself, names it in every diagnostic,

@@ -137,7 +137,7 @@ TEST(BucketedDDP, LayoutGivesEveryGradientItsSlotInItsBucketsSlice) {
           EXPECT_EQ(b.flat.numel(), b.numel);
           int64_t at = b.offset;
           for (size_t i : b.params) {
-            const at::Tensor& g = ddp.parameters()[i].grad();
+            const at::Tensor g = ddp.parameters()[i].grad();
             ASSERT_TRUE(g.defined()) << ddp.parameter_names()[i];
             EXPECT_EQ(g.data_ptr(), static_cast<char*>(buffer.data_ptr()) + at * 4) << ddp.parameter_names()[i];
             EXPECT_EQ(g.sizes(), ddp.parameters()[i].sizes());
@@ -260,9 +260,9 @@ TEST(BucketedDDP, GradientsAreViewsIntoTheFlatBuffer) {
           gpt.opt->step();
         }
         // Something drops a .grad (libtorch 2.x zero_grad sets them to None): the next forward re-attaches a view.
-        at::Tensor& g0 = gpt.ddp.parameters()[0].mutable_grad();
-        g0 = at::Tensor();
-        gpt.ddp.parameters()[1].mutable_grad() = at::ones_like(gpt.ddp.parameters()[1]);
+        const std::vector<at::Tensor> params = gpt.ddp.parameters();
+        params[0].mutable_grad() = at::Tensor();
+        params[1].mutable_grad() = at::ones_like(params[1]);
         gpt.ddp.loss(rank_slice(gpt.data->global_batch(3, 4), comm.rank(), 2));
         check("after a .grad was dropped and another replaced");
         EXPECT_EQ(gpt.ddp.parameters()[0].grad().abs().sum().item<double>(), 0.0)

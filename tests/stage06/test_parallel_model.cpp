@@ -79,6 +79,11 @@ TEST(ParallelModelInterface, OneLoopTrainsEveryWrapperLikeOneDeviceAndEachAnswer
          mesh = std::make_unique<Mesh>(world, 1, 4);
          return parallelize(std::move(m), *mesh);
        }},
+      {"parallelize 4x1 (ddp)",
+       [](std::shared_ptr<Model> m, World& world, std::unique_ptr<Mesh>& mesh) -> std::unique_ptr<ParallelModel> {
+         mesh = std::make_unique<Mesh>(world, 4, 1);
+         return parallelize(std::move(m), *mesh);
+       }},
       {"parallelize 2x2 (hsdp)",
        [](std::shared_ptr<Model> m, World& world, std::unique_ptr<Mesh>& mesh) -> std::unique_ptr<ParallelModel> {
          mesh = std::make_unique<Mesh>(world, 2, 2);

@@ -39,7 +39,7 @@ else:
     allowed = report["adamw_param_bound"] if report["optimizer"] == "adamw" else max_diff
     if not report["max_param_diff"] <= allowed:
         errors.append(f"max_param_diff {report['max_param_diff']} > {allowed}")
-    # The theory is the tool's own (tools/shardlab/strategies.cpp), computed apart from the strategy's code: for the
+    # The theory is the tool's own (tools/shardlab/traffic.cpp), computed apart from the strategy's code: for the
     # bucketed strategies a count of the cap rule, not stage 02's assign_buckets, so a wrong rule shows here.
     auto = any(a == "--bucket-cap-kb" and v == "auto" for a, v in zip(args, args[1:]))
     if auto:

@@ -168,7 +168,10 @@ FsdpBenchResult run_fsdp_bench(const FsdpBenchOptions& b, const std::string& sel
                         {"fsdp_prefetch depth 1 (raf)", "fsdp_prefetch", true, 1, {}},
                         {"fsdp_prefetch depth 2 (raf)", "fsdp_prefetch", true, 2, {}},
                         {"fsdp_prefetch depth 1 (kept)", "fsdp_prefetch", false, 1, {}}};
-  auto is_fsdp = [](const Row& row) { return row.strategy.rfind("fsdp", 0) == 0; };
+  auto is_fsdp = [](const Row& row) {  // FSDP on one group, not on a mesh
+    const Capabilities& can = find_strategy(row.strategy).can;
+    return can.shards && !can.mesh;
+  };
   PeerResult peers[2];  // [0]: raf true, [1]: raf false
   std::string peer_why = b.torch ? fsdp2_root_problem(b.torch_root) : "skipped (--no-torch)";
   std::unique_ptr<ProcMount> proc;

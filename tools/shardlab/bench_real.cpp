@@ -82,7 +82,7 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
         std::fprintf(stderr, "real %s: %s round %d/%d\n", size.label.c_str(), row.label.c_str(), round + 1, b.repeat);
         RunOptions each = o;
         each.strategy = row.strategy;
-        if (row.strategy == "fsdp_prefetch")
+        if (find_strategy(row.strategy).can.prefetches)
           each.strategy_options.prefetch_depth = each.strategy_options.prefetch_limit = 1;
         RunReport r = run_strategy(each, self_exe);
         row.rounds.push_back(r.step_time_ms);

@@ -43,8 +43,9 @@ class ParallelModel {
   [[nodiscard]] virtual NoSync no_sync() = 0;
   /// The step's parameters (see the vocabulary), in a fixed order: build the optimizer over them.
   virtual std::vector<at::Tensor> parameters() const = 0;
-  /// Calls `visit(i, full)` for every parameter i of the model in registration order, each full, one at a time:
-  /// `full` is valid only during the call (a sharded wrapper gathers one unit at a time and frees it after).
+  /// Calls `visit(i, full)` for every parameter i of the model in registration order, each full, one at a time (a
+  /// sharded wrapper gathers one unit at a time). Read `full`, do not write it: a replicated wrapper hands its own
+  /// parameter; copy it to keep it past the call.
   virtual void visit_full_parameters(const std::function<void(size_t index, const at::Tensor& full)>& visit) = 0;
   /// Every parameter of the model, full, in registration order: fresh tensors.
   virtual std::vector<at::Tensor> full_parameters() = 0;
