@@ -35,13 +35,6 @@ const std::vector<std::string>& dtype_names() {
   return names;
 }
 
-// What strategy `name` can do; for an unknown name (refused by --strategy's check, with the list), the defaults.
-Capabilities capabilities_of(const std::string& name) {
-  for (const auto& s : strategies())
-    if (s.name == name) return s.can;
-  return {};
-}
-
 // "RxS" as Mesh::parse reads it, of at most 64 ranks (as --world-size).
 CLI::Validator mesh_shape_of() {
   return CLI::Validator(

@@ -217,6 +217,12 @@ std::string strategies_that(bool Capabilities::*capability) {
   return out;
 }
 
+Capabilities capabilities_of(const std::string& name) {
+  for (const auto& s : strategies())
+    if (s.name == name) return s.can;
+  return {};
+}
+
 const Strategy& find_strategy(const std::string& name) {
   for (const auto& s : strategies())
     if (s.name == name) return s;

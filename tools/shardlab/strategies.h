@@ -125,6 +125,8 @@ std::string strategies_that(bool Capabilities::*capability);
 const std::vector<Strategy>& strategies();
 /// Their names.
 std::vector<std::string> strategy_names();
+/// What strategy `name` can do; for an unknown name (refused by --strategy's check, with the list), the defaults.
+Capabilities capabilities_of(const std::string& name);
 /// The strategy called `name`. @throws std::invalid_argument listing the known ones.
 const Strategy& find_strategy(const std::string& name);
 
