@@ -53,32 +53,6 @@ Batch chain_batch(int step, const Communicator& comm) {
 
 // ---- Task 1: the orders -------------------------------------------------------------------------------------
 
-// The specification is stage 04's FullyShardedModel::expected_forward_order (the order memory_theory walks): the
-// schedule must predict that order, so the student's answer is compared with it. That it holds the chain's orders
-// (checked first) only guards the example the task sheet works on paper.
-TEST(PrefetchOrders, ExpectedForwardOrderIsRegistrationRootFirstThenTheLastForwards) {
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{2, 0, 3, 1});
-        FullyShardedModel fsdp(model, comm);
-        const size_t root = fsdp.root_index();
-        ASSERT_EQ(root, 4u);
-        ASSERT_EQ(fsdp.expected_forward_order(), (std::vector<size_t>{root, 0, 1, 2, 3}));
-        EXPECT_EQ(expected_forward_order(fsdp), fsdp.expected_forward_order())
-            << "before any forward: stage 04's rule, registration order with the root first ("
-            << joined(names_of(fsdp, fsdp.expected_forward_order())) << "); got "
-            << joined(names_of(fsdp, expected_forward_order(fsdp)));
-        fsdp.loss(chain_batch(0, comm)).backward();
-        ASSERT_EQ(fsdp.expected_forward_order(), (std::vector<size_t>{root, 2, 0, 3, 1}));
-        EXPECT_EQ(expected_forward_order(fsdp), fsdp.expected_forward_order())
-            << "after a forward: stage 04's rule, the order it ran in ("
-            << joined(names_of(fsdp, fsdp.expected_forward_order())) << "); got "
-            << joined(names_of(fsdp, expected_forward_order(fsdp)));
-      },
-      test_group());
-}
-
 // A schedule that only writes down where backward met the units, and what backward_order said then (task 1 alone:
 // it prefetches nothing).
 class Spy : public fsdp::UnshardSchedule {

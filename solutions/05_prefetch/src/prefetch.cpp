@@ -35,12 +35,6 @@ namespace shardlab::prefetch {
 using fsdp::FullyShardedModel;
 using fsdp::SchedulePoint;
 
-std::vector<size_t> expected_forward_order(const FullyShardedModel& fsdp) {
-  // BEGIN SOLUTION(05): the order the memory theory walks, so that what is ahead is what it counts (prefetch.h)
-  return fsdp.expected_forward_order();
-  // END SOLUTION
-}
-
 std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
   // BEGIN SOLUTION(05): the order the pre-backward hooks fire in (Note [When backward meets a unit])
   // The outputs were made in post-forward order, so autograd reaches them in its reverse.
@@ -105,7 +99,7 @@ std::vector<size_t> PrefetchSchedule::targets(SchedulePoint point, size_t u, con
   const bool forward = point == SchedulePoint::kPreForward;
   // BEGIN SOLUTION(05): the unit's explicit list, else the next depth units after it in this point's order
   if (forward ? has_forward_list_[u] : has_backward_list_[u]) return forward ? forward_lists_[u] : backward_lists_[u];
-  const std::vector<size_t> order = forward ? expected_forward_order(fsdp) : backward_order(fsdp);
+  const std::vector<size_t> order = forward ? fsdp.expected_forward_order() : backward_order(fsdp);
   const auto at = std::find(order.begin(), order.end(), u);
   if (at == order.end()) return {};
   const auto depth = static_cast<std::ptrdiff_t>(forward ? policy_.forward_depth : policy_.backward_depth);

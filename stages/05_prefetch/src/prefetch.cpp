@@ -35,11 +35,6 @@ namespace shardlab::prefetch {
 using fsdp::FullyShardedModel;
 using fsdp::SchedulePoint;
 
-std::vector<size_t> expected_forward_order(const FullyShardedModel& fsdp) {
-  // TODO(stage05): the order the memory theory walks, so that what is ahead is what it counts (prefetch.h)
-  throw ::shardlab::NotImplemented("05", "the order the memory theory walks, so that what is ahead is what it counts (prefetch.h)");
-}
-
 std::vector<size_t> backward_order(const FullyShardedModel& fsdp) {
   // TODO(stage05): the order the pre-backward hooks fire in (Note [When backward meets a unit])
   throw ::shardlab::NotImplemented("05", "the order the pre-backward hooks fire in (Note [When backward meets a unit])");

@@ -28,12 +28,6 @@
 
 namespace shardlab::prefetch {
 
-/// The order the next forward is expected to meet the units in (indices into fsdp.units()): the one stage 04
-/// specifies, FullyShardedModel::expected_forward_order (the last complete forward's order, or, before the first,
-/// registration order with the root first). memory_theory() walks that order, so a schedule that predicts any other
-/// would hold ahead what the theory does not count.
-std::vector<size_t> expected_forward_order(const fsdp::FullyShardedModel& fsdp);
-
 /// The order in which this backward will meet the units' pre-backward hooks, for any model (blocks run in any
 /// order, units inside others), derived from what the forward recorded (FullyShardedModel's orders), without the
 /// units that registered no hook (awaits_backward false: a prefetch of one would be a collective stage 04 never
