@@ -58,11 +58,13 @@ class ParallelModel {
   virtual double clip_grad_norm(double max_norm, double p) = 0;
   /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing
   /// the one there atomically (training_state.h). Any wrapper at any world size loads it.
+  /// @param dir the checkpoint's directory (on a filesystem every rank sees).
   /// @param optimizer built over parameters(); null to save the model only.
   /// @param metadata strings to keep with the checkpoint (rank 0's).
   virtual void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
                                const std::map<std::string, std::string>& metadata) = 0;
   /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file); all or nothing.
+  /// @param path the checkpoint's directory, or a safetensors file.
   /// @param optimizer built over parameters(); null to load the model only.
   /// @param optimizer_if_saved true: a checkpoint of weights only loads the model and leaves `optimizer` as is.
   /// @param names the model's name of each saved tensor (checkpoint.h's SavedNames); empty: the saved names.
