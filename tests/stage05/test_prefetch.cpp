@@ -1,5 +1,5 @@
-// Stage 05 — prefetch: the orders (task 1), the targets (task 2), the schedule with its limit (task 3), and what
-// the whole must keep: the same collectives, the same bits, the next all-gather issued before this unit's compute
+// Stage 05 — prefetch: the backward order (task 1), the targets (task 2), the schedule with its limit (task 3), and
+// what the whole must keep: the same collectives, the same bits, the next all-gather issued before this unit's compute
 // ends. Ranks are threads on real Gloo groups.
 #include "shardlab/prefetch/prefetch.h"
 
@@ -51,7 +51,7 @@ Batch chain_batch(int step, const Communicator& comm) {
   return rank_slice(data->global_batch(step, 8), comm.rank(), comm.size());
 }
 
-// ---- Task 1: the orders -------------------------------------------------------------------------------------
+// ---- Task 1: the backward order ----------------------------------------------------------------------------
 
 // A schedule that only writes down where backward met the units, and what backward_order said then (task 1 alone:
 // it prefetches nothing).
