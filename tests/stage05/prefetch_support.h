@@ -1,26 +1,18 @@
 #pragma once
 // What stage 05's tests share besides the chain (support/chain.h): an event log of the units as "U name" (a real
-// begin_unshard) and "R name" (a real reshard), and the step they drive.
-#include "shardlab/core/model/model.h"
-#include "shardlab/course/data.h"
+// begin_unshard) and "R name" (a real reshard).
 #include "shardlab/fsdp/fsdp.h"
-#include "shardlab/prefetch/prefetch.h"
 
 #include "support/chain.h"
 
-#include <ATen/ATen.h>
-#include <torch/nn/modules/linear.h>
-
 #include <functional>
-#include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace shardlab::test_support {
 
-/// Every real begin_unshard ("U name") and reshard ("R name") of `fsdp`'s units from now on; `mark()` starts a new
+/// Every real begin_unshard ("U name") and reshard ("R name") of `fsdp`'s units from now on; `take()` starts a new
 /// phase (forward, backward) so each can be compared on its own.
 class UnitLog {
  public:

@@ -118,8 +118,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       throw std::invalid_argument("--resume '" + o.resume_dir + "' holds the state of optimizer '" + kind->second +
                                   "'; this run has --optimizer " + o.train.optimizer);
     const auto caps = index.metadata.find("bucketed_ddp.caps");
-    if (caps != index.metadata.end() && find_strategy(o.strategy).can.buckets &&
-        find_strategy(o.strategy).can.checkpoints())
+    if (caps != index.metadata.end() && strategy.can.buckets && strategy.can.checkpoints())
       std::cout << "shardlab: note: the buckets are laid out as the checkpoint's were (caps " << caps->second
                 << " bytes, its order), so that the run continues as the saved one did; --bucket-cap-kb and "
                 << "--first-bucket-kb apply to a fresh run\n";

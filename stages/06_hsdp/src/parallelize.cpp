@@ -14,23 +14,24 @@
 namespace shardlab {
 
 DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp)
-    : model_(std::move(model)), mesh_(mesh), kind_(Kind::kDdp), ddp_(ddp.get()), wrapper_(std::move(ddp)) {
+    : model_(std::move(model)), mesh_(mesh), ddp_(ddp.get()), wrapper_(std::move(ddp)) {
   SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null DDP wrapper");
 }
 
 DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded)
-    : model_(std::move(model)),
-      mesh_(mesh),
-      kind_(mesh.replicate_size() == 1 ? Kind::kFsdp : Kind::kHsdp),
-      sharded_(sharded.get()),
-      wrapper_(std::move(sharded)) {
+    : model_(std::move(model)), mesh_(mesh), sharded_(sharded.get()), wrapper_(std::move(sharded)) {
   SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null sharded wrapper");
 }
 
 DataParallel::~DataParallel() = default;
 
+DataParallel::Kind DataParallel::kind() const {
+  if (ddp_ != nullptr) return Kind::kDdp;
+  return mesh_.replicate_size() == 1 ? Kind::kFsdp : Kind::kHsdp;
+}
+
 std::string DataParallel::kind_name() const {
-  switch (kind_) {
+  switch (kind()) {
     case Kind::kDdp:
       return "ddp";
     case Kind::kFsdp:
@@ -42,7 +43,7 @@ std::string DataParallel::kind_name() const {
 }
 
 void DataParallel::set_requires_all_reduce(bool requires_all_reduce) {
-  if (kind_ != Kind::kHsdp)
+  if (kind() != Kind::kHsdp)
     throw std::invalid_argument(
         "DataParallel::set_requires_all_reduce: only HSDP (a mesh of R > 1 replicas and S > 1 "
         "shards) has an all-reduce across replicas to defer; this is " +

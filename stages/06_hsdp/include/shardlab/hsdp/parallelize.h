@@ -73,8 +73,8 @@ class DataParallel : public ParallelModel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
-  /// DDP, FSDP or HSDP.
-  Kind kind() const { return kind_; }
+  /// DDP, FSDP or HSDP: what the mesh's shape gave.
+  Kind kind() const;
   /// "ddp", "fsdp" or "hsdp".
   std::string kind_name() const;
 
@@ -115,7 +115,6 @@ class DataParallel : public ParallelModel {
  private:
   std::shared_ptr<Model> model_;
   Mesh& mesh_;
-  Kind kind_;
   bucketed_ddp::BucketedDDP* ddp_ = nullptr;    // wrapper_ when it is DDP
   fsdp::FullyShardedModel* sharded_ = nullptr;  // wrapper_ when it is FSDP or HSDP
   std::unique_ptr<ParallelModel> wrapper_;      // never null
