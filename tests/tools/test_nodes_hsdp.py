@@ -11,8 +11,10 @@ across the nodes). Checks, from the files the ranks write:
 
 Usage: test_nodes_hsdp.py SHARDLAB_RUN SHARDLAB. No check reads a clock: a hang is caught by the launchers'
 --timeout and the test's ctest TIMEOUT."""
+import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -23,18 +25,30 @@ train = ["--model", "tiny_gpt", "--layers", "2", "--steps", "3", "--global-batch
 failures = []
 
 
-def read_text(path):
-    out = {}
-    for line in open(path):
-        key, *values = line.split()
-        out[key] = values if key.startswith("group_name_") else [float(v) for v in values]
+def read_result(path):
+    """A rank's figures (rankR.json), flattened to what the checks below read."""
+    result = json.load(open(path))
+    out = {"losses": result["losses"]}
+    for role, group in result["groups"].items():
+        out[f"group_{role}"] = [group["collectives"], group["bytes"]]
+        out[f"group_name_{role}"] = [group["name"]]
     return out
 
 
 def read_params(path):
-    a = array("d")
+    """A rank's parameters (rankR.safetensors: float64 tensors named by registration index), flattened in that
+    order. Read as the format is laid out (8-byte header length, the header's JSON, the data): no library."""
     with open(path, "rb") as f:
-        a.frombytes(f.read())
+        data = f.read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    a = array("d")
+    for name in sorted(header):
+        if header[name]["dtype"] != "F64":
+            raise ValueError(f"{path}: tensor {name} is {header[name]['dtype']}; expected F64")
+        begin, end = header[name]["data_offsets"]
+        a.frombytes(data[8 + n + begin:8 + n + end])
     return a
 
 
@@ -62,10 +76,10 @@ with tempfile.TemporaryDirectory() as tmp:
     if subprocess.run(ref_cmd, stdout=subprocess.DEVNULL, timeout=120).returncode != 0:
         failures.append("the single-device worker failed")
     if not failures:
-        ref = read_params(os.path.join(ref_dir, "rank0.params"))
-        ref_losses = read_text(os.path.join(ref_dir, "rank0.txt"))["losses"]
-        texts = [read_text(os.path.join(hsdp_dir, f"rank{r}.txt")) for r in range(4)]
-        params = [read_params(os.path.join(hsdp_dir, f"rank{r}.params")) for r in range(4)]
+        ref = read_params(os.path.join(ref_dir, "rank0.safetensors"))
+        ref_losses = read_result(os.path.join(ref_dir, "rank0.json"))["losses"]
+        texts = [read_result(os.path.join(hsdp_dir, f"rank{r}.json")) for r in range(4)]
+        params = [read_params(os.path.join(hsdp_dir, f"rank{r}.safetensors")) for r in range(4)]
         for r in range(4):
             if len(params[r]) != len(ref):
                 failures.append(f"rank {r} wrote {len(params[r])} parameters; one device has {len(ref)}")

@@ -1,3 +1,4 @@
+#include "rank_result.h"
 #include "run.h"
 #include "strategies.h"
 
@@ -43,21 +44,6 @@ class ProgressBar {
   std::string label_;
   bool tty_;
 };
-
-std::map<std::string, std::vector<double>> read_rank_text(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("missing worker result " + path);
-  std::map<std::string, std::vector<double>> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream s(line);
-    std::string key;
-    s >> key;
-    double v;
-    while (s >> v) out[key].push_back(v);
-  }
-  return out;
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -213,48 +199,44 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   at::Tensor previous;  // the last parameters whose final loss was computed
   for (int rank = 0; rank < o.world_size; ++rank) {
     const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
-    auto text = read_rank_text(prefix + ".txt");
-    const auto& losses = text["losses"];
+    const RankResult result = read_rank_result(prefix);
+    const auto& losses = result.losses;
     if (losses.size() != static_cast<size_t>(run))
       throw std::runtime_error("rank " + std::to_string(rank) + " reported " + std::to_string(losses.size()) +
                                " losses; expected " + std::to_string(run));
     for (int s = 0; s < run; ++s) r.losses[s] += losses[s] / o.world_size;
     if (rank == 0) {
-      r.step_time_ms = median(text["step_ms"]);
-      r.setup_collectives = text["setup_collectives"].empty() ? 0 : text["setup_collectives"][0];
-      r.collectives_per_step = text["collectives"].empty() ? 0 : text["collectives"][0] / run;
-      r.bytes_per_step = text["bytes"].empty() ? 0 : text["bytes"][0] / run;
-      r.sent_bytes_per_step = text["sent_bytes"].empty() ? 0 : text["sent_bytes"][0] / run;
-      r.buckets = text["buckets"].empty() ? 0 : text["buckets"][0];
-      r.comm_busy_ms_per_step = text["comm_busy_ms"].empty() ? 0 : text["comm_busy_ms"][0] / run;
-      r.exposed_comm_ms_per_step = text["exposed_comm_ms"].empty() ? 0 : text["exposed_comm_ms"][0] / run;
-      auto first = [&](const char* key) { return text[key].empty() ? 0.0 : text[key][0]; };
-      r.exposed_share_median = text["exposed_share"].empty() ? 0 : median(text["exposed_share"]);
-      r.progress_yields_per_step = first("progress_yields") / run;
-      r.peak_param_bytes = first("peak_param_bytes");
-      r.peak_param_bytes_theory = first("peak_param_bytes_theory");
-      r.peak_grad_bytes = first("peak_grad_bytes");
-      r.peak_grad_bytes_theory = first("peak_grad_bytes_theory");
-      r.auto_caps = text["auto_caps"];
-      r.auto_caps_buckets_theory = first("auto_caps_buckets_theory");
-      for (const auto& [key, values] : text) {
-        if (key.rfind("group_", 0) != 0 || values.size() != 2) continue;
-        GroupTraffic& g = r.groups[key.substr(6)];
-        g.collectives = values[0] / run;
-        g.bytes = values[1] / run;
+      r.step_time_ms = median(result.step_ms);
+      r.setup_collectives = result.setup_collectives;
+      r.collectives_per_step = result.collectives / run;
+      r.bytes_per_step = result.bytes / run;
+      r.sent_bytes_per_step = result.sent_bytes / run;
+      r.buckets = result.buckets;
+      r.comm_busy_ms_per_step = result.comm_busy_ms / run;
+      r.exposed_comm_ms_per_step = result.exposed_comm_ms / run;
+      r.exposed_share_median = median(result.exposed_share);
+      r.progress_yields_per_step = result.progress_yields / run;
+      r.peak_param_bytes = result.memory.peak_param_bytes;
+      r.peak_param_bytes_theory = result.memory.peak_param_bytes_theory;
+      r.peak_grad_bytes = result.memory.peak_grad_bytes;
+      r.peak_grad_bytes_theory = result.memory.peak_grad_bytes_theory;
+      r.auto_caps = result.auto_caps.caps;
+      r.auto_caps_buckets_theory = result.auto_caps.buckets_theory;
+      for (const auto& [role, figures] : result.groups) {
+        GroupTraffic& g = r.groups[role];
+        g.collectives = figures.collectives / run;
+        g.bytes = figures.bytes / run;
       }
     }
-    for (auto [key, into] :
-         {std::pair{"peak_rss_bytes", &r.peak_rss_bytes}, std::pair{"run_peak_rss_bytes", &r.run_peak_rss_bytes},
-          std::pair{"base_rss_bytes", &r.base_rss_bytes},
-          std::pair{"construction_rss_bytes", &r.construction_rss_bytes},
-          std::pair{"base_data_bytes", &r.base_data_bytes}})
-      into->push_back(text[key].empty() ? 0.0 : text[key][0]);
-    std::ifstream in(prefix + ".params", std::ios::binary);
-    at::Tensor mine = at::empty({ref_flat.numel()}, at::kDouble);
-    in.read(reinterpret_cast<char*>(mine.data_ptr<double>()), static_cast<std::streamsize>(mine.numel() * 8));
-    if (in.gcount() != mine.numel() * 8)
-      throw std::runtime_error("rank " + std::to_string(rank) + " wrote parameters of another size than the model");
+    r.peak_rss_bytes.push_back(result.peak_rss_bytes);
+    r.run_peak_rss_bytes.push_back(result.run_peak_rss_bytes);
+    r.base_rss_bytes.push_back(result.base_rss_bytes);
+    r.construction_rss_bytes.push_back(result.construction_rss_bytes);
+    r.base_data_bytes.push_back(result.base_data_bytes);
+    const at::Tensor mine = read_rank_parameters(prefix);
+    if (mine.numel() != ref_flat.numel())
+      throw std::runtime_error("rank " + std::to_string(rank) + " wrote " + std::to_string(mine.numel()) +
+                               " parameter values; the model has " + std::to_string(ref_flat.numel()));
     r.max_param_diff = std::max(r.max_param_diff, (mine - ref_flat).abs().max().item<double>());
     // The final parameters' loss on the next batch: what the last update did, seen where AdamW stays tight. Ranks
     // that hold the same parameters as the one before (every replica, every gathered shard) have its loss.

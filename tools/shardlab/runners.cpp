@@ -150,6 +150,12 @@ class WrappedRunner : public StepRunner {
   void visit_full_parameters(const ParameterVisitor& visit) override {
     wrapper_->visit_full_parameters([&visit](size_t, const at::Tensor& p) { visit(p); });
   }
+  // A sharded wrapper's registered parameters keep their full sizes (stage 04: only their storage is freed).
+  std::vector<std::pair<std::string, std::vector<int64_t>>> full_parameter_shapes() const override {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+    for (const auto& item : model_->named_parameters()) out.emplace_back(item.key(), item.value().sizes().vec());
+    return out;
+  }
   size_t buckets() const override { return parts_.ddp != nullptr ? parts_.ddp->buckets().size() : 0; }
   MemoryFigures memory() const override { return memory_; }
   void set_timeline(Timeline* timeline) override {
@@ -219,7 +225,7 @@ class AutoCapsRunner : public WrappedRunner {
     if (local.step == 1) tune();
     return loss;
   }
-  std::map<std::string, std::vector<double>> extra() const override { return extra_; }
+  AutoCapsFigures auto_caps() const override { return chosen_; }
   std::pair<size_t, size_t> setup_records() const override { return setup_records_; }
 
  private:
@@ -238,21 +244,20 @@ class AutoCapsRunner : public WrappedRunner {
     ddp.set_caps(chosen);
     // What the new layout must hold: the cap rule over the order it is laid out in (rank 0's, as agree_on_order
     // gives every rank; the worker reports rank 0's figures), counted apart from stage 02.
-    extra_["auto_caps_buckets_theory"] = {
-        static_cast<double>(buckets_by_cap_rule(profile.params, profile.order, chosen))};
+    chosen_.buckets_theory = static_cast<double>(buckets_by_cap_rule(profile.params, profile.order, chosen));
     // The measurement's collectives are setup, not training traffic.
     setup_records_ = {first_record, comm_.recorder().size()};
-    extra_["auto_caps"] = {static_cast<double>(chosen.first_bytes),
-                           static_cast<double>(chosen.bytes),
-                           cost.alpha_ns,
-                           cost.beta_ns_per_byte,
-                           bucketed_ddp::modelled_exposed_ns(profile, before, cost),
-                           bucketed_ddp::modelled_exposed_ns(profile, chosen, cost)};
+    chosen_.caps = {static_cast<double>(chosen.first_bytes),
+                    static_cast<double>(chosen.bytes),
+                    cost.alpha_ns,
+                    cost.beta_ns_per_byte,
+                    bucketed_ddp::modelled_exposed_ns(profile, before, cost),
+                    bucketed_ddp::modelled_exposed_ns(profile, chosen, cost)};
   }
 
   Communicator& comm_;
   c10::Device device_;
-  std::map<std::string, std::vector<double>> extra_;
+  AutoCapsFigures chosen_;
   std::pair<size_t, size_t> setup_records_{0, 0};
 };
 

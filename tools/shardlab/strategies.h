@@ -26,6 +26,15 @@ struct MemoryFigures {
   double peak_grad_bytes_theory = 0;
 };
 
+/// --bucket-cap-kb auto: what rank 0 chose after step 2 and why (empty `caps` when the run chose nothing).
+struct AutoCapsFigures {
+  /// Chosen first and later cap (bytes), alpha (ns), beta (ns per byte), modelled exposed ns with the caps before
+  /// and with the chosen ones: the report's "auto_caps".
+  std::vector<double> caps;
+  /// How many buckets the chosen caps make by the cap rule over the order the layout took.
+  double buckets_theory = 0;
+};
+
 /// Trains one rank's share: owns the model, its data-parallel wrapper and the optimizer.
 /// What StepRunner::visit_full_parameters calls with each parameter.
 using ParameterVisitor = std::function<void(const at::Tensor& full)>;
@@ -49,8 +58,10 @@ class StepRunner {
   virtual void set_timeline(Timeline* timeline) { timeline_ = timeline; }
   /// Counter samples for the trace (FSDP: parameter and gradient bytes held over time; others: none).
   virtual std::vector<CounterSample> counters() const { return {}; }
-  /// Extra figures for the report, as `key value...` lines of the rank's result file (auto caps: what was chosen).
-  virtual std::map<std::string, std::vector<double>> extra() const { return {}; }
+  /// --bucket-cap-kb auto: what was chosen (nothing for every other runner).
+  virtual AutoCapsFigures auto_caps() const { return {}; }
+  /// The name and full sizes of every parameter visit_full_parameters visits, in its order.
+  virtual std::vector<std::pair<std::string, std::vector<int64_t>>> full_parameter_shapes() const = 0;
   /// Saves a checkpoint of the model and the optimizer in `dir` with `metadata` (a collective over the ranks).
   virtual void save(const std::string& dir, const std::map<std::string, std::string>& metadata) = 0;
   /// Loads the checkpoint at `path` into the model and the optimizer (a collective); returns its metadata.

@@ -1,3 +1,4 @@
+#include "rank_result.h"
 #include "run.h"
 #include "strategies.h"
 
@@ -265,20 +266,14 @@ int run_worker_unlimited(const RunOptions& options) {
   step_starts_ns.push_back(last_step_ns);
   const uint64_t yields = progress_yields() - yields_before;
 
-  // Results: a small text file, and the parameters as raw float64 (the driver knows the shapes).
-  const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
-  std::ofstream out(prefix + ".txt");
-  out.precision(17);
-  out << "first_step " << first_step << "\nlosses";
-  for (double l : losses) out << ' ' << l;
-  out << "\nstep_ms";
-  for (double t : step_ms) out << ' ' << t;
+  // Results: the figures as JSON, the parameters as safetensors (Note [A rank's result files] in rank_result.cpp).
+  RankResult result;
+  result.first_step = first_step;
+  result.losses = losses;
+  result.step_ms = step_ms;
   // Broadcasts after construction (stage 02's one-time bucket rebuild) count as setup, not as per-step traffic.
-  double collectives = 0, bytes = 0, sent = 0, setup_collectives = static_cast<double>(setup);
+  result.setup_collectives = static_cast<double>(setup);
   CommTime comm_ns;
-  std::vector<double> exposed_shares;  // per step with communication: exposed / in flight (the driver takes the median)
-  std::map<std::string, std::pair<double, double>> per_group;  // role -> (collectives, bytes) over the steps
-  std::map<std::string, std::string> group_names;              // role -> this rank's group of it ("shard(0,1)")
   if (recorder) {
     std::vector<CollectiveRecord> records;  // training's: after construction, without a runner's measurements
     saves.push_back(runner->setup_records());
@@ -287,66 +282,52 @@ int run_worker_unlimited(const RunOptions& options) {
       const bool skipped =
           std::any_of(saves.begin(), saves.end(), [i](const auto& r) { return i >= r.first && i < r.second; });
       if (skipped) {
-        setup_collectives += 1;  // a runner's measurement, or a checkpoint: once, not every step
+        result.setup_collectives += 1;  // a runner's measurement, or a checkpoint: once, not every step
         continue;
       }
       records.push_back(all[i]);
     }
     for (const auto& r : records) {
       if (r.op == "broadcast") {
-        setup_collectives += 1;
+        result.setup_collectives += 1;
         continue;
       }
-      collectives += 1;
-      bytes += static_cast<double>(r.bytes);
-      sent += sent_bytes(r);
-      auto& [group_collectives, group_bytes] = per_group[group_role(r.group)];
-      group_collectives += 1;
-      group_bytes += static_cast<double>(r.bytes);
-      group_names[group_role(r.group)] = r.group;
+      result.collectives += 1;
+      result.bytes += static_cast<double>(r.bytes);
+      result.sent_bytes += sent_bytes(r);
+      GroupFigures& group = result.groups[group_role(r.group)];
+      group.collectives += 1;
+      group.bytes += static_cast<double>(r.bytes);
+      group.name = r.group;
     }
     const auto waits = recorder->waits();
     comm_ns = comm_time(records, waits, first_step_ns, last_step_ns);
     // The typical step, beside the run's total: one slow step (a stalled core) moves a total, not a median.
     for (size_t s = 0; s + 1 < step_starts_ns.size(); ++s) {
       const CommTime t = comm_time(records, waits, step_starts_ns[s], step_starts_ns[s + 1]);
-      if (t.busy_ns > 0) exposed_shares.push_back(static_cast<double>(t.exposed_ns) / static_cast<double>(t.busy_ns));
+      if (t.busy_ns > 0)
+        result.exposed_share.push_back(static_cast<double>(t.exposed_ns) / static_cast<double>(t.busy_ns));
     }
   }
-  out << "\nsetup_collectives " << setup_collectives << "\ncollectives " << collectives << "\nbytes " << bytes
-      << "\nsent_bytes " << sent << "\ncomm_busy_ms " << comm_ns.busy_ns / 1e6 << "\nexposed_comm_ms "
-      << comm_ns.exposed_ns / 1e6 << "\nexposed_share";
-  for (double s : exposed_shares) out << ' ' << s;
-  for (const auto& [role, figures] : per_group)
-    out << "\ngroup_" << role << " " << figures.first << " " << figures.second << "\ngroup_name_" << role << " "
-        << group_names[role];
-  out << "\nprogress_yields " << yields << "\nbuckets " << runner->buckets() << "\n";
-  for (const auto& [key, values] : runner->extra()) {
-    out << key;
-    for (double v : values) out << ' ' << v;
-    out << '\n';
-  }
-  out << "peak_rss_bytes " << steady_peak_rss << "\nrun_peak_rss_bytes " << run_peak_rss << "\nbase_rss_bytes "
-      << base_rss << "\nconstruction_rss_bytes " << construction_rss << "\nbase_data_bytes " << base_data << "\n";
-  const MemoryFigures mem = runner->memory();
-  out << "peak_param_bytes " << mem.peak_param_bytes << "\npeak_param_bytes_theory " << mem.peak_param_bytes_theory
-      << "\npeak_grad_bytes " << mem.peak_grad_bytes << "\npeak_grad_bytes_theory " << mem.peak_grad_bytes_theory
-      << "\n";
+  result.comm_busy_ms = comm_ns.busy_ns / 1e6;
+  result.exposed_comm_ms = comm_ns.exposed_ns / 1e6;
+  result.progress_yields = static_cast<double>(yields);
+  result.buckets = static_cast<double>(runner->buckets());
+  result.auto_caps = runner->auto_caps();
+  result.peak_rss_bytes = steady_peak_rss;
+  result.run_peak_rss_bytes = run_peak_rss;
+  result.base_rss_bytes = base_rss;
+  result.base_data_bytes = base_data;
+  result.construction_rss_bytes = construction_rss;
+  result.memory = runner->memory();
   if (!o.trace_dir.empty()) {
     write_chrome_trace(o.trace_dir + "/rank" + std::to_string(rank) + ".trace.json", rank, timeline.spans(),
                        recorder ? recorder->snapshot() : std::vector<CollectiveRecord>{},
                        recorder ? recorder->waits() : std::vector<WaitRecord>{}, runner->counters());
   }
-  std::ofstream params(prefix + ".params", std::ios::binary);
-  runner->visit_full_parameters([&params](const at::Tensor& p) {  // one unit gathered at a time
-    at::Tensor flat = p.detach().to(at::kDouble).cpu().contiguous().view({-1});
-    params.write(reinterpret_cast<const char*>(flat.data_ptr<double>()),
-                 static_cast<std::streamsize>(flat.numel() * sizeof(double)));
-  });
-  if (!out || !params) {
-    std::cerr << "cannot write results under " << o.result_dir << "\n";
-    return 1;
-  }
+  const std::string prefix = o.result_dir + "/rank" + std::to_string(rank);
+  write_rank_parameters(prefix, *runner);  // a collective for the sharded strategies: before anything can throw
+  write_rank_result(prefix, result);
   return 0;
 }
 
