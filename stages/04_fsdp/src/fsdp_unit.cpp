@@ -59,8 +59,6 @@ std::string describe(const at::Tensor& t) {
   return std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()) + " on " + t.device().str();
 }
 
-int64_t bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : 0; }
-
 }  // namespace
 
 const char* to_string(UnitEventKind kind) {
@@ -117,9 +115,9 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
     params_.push_back(std::move(fp));
   }
   accumulated_.resize(params_.size());
-  counted_grad_.assign(params_.size(), 0);
-  sharded_grad_storage_.assign(params_.size(), nullptr);
-  sharded_grad_bytes_.assign(params_.size(), 0);
+  counted_unsharded_.resize(params_.size());
+  counted_accumulated_.resize(params_.size());
+  counted_sharded_.resize(params_.size());
 
   at::NoGradGuard no_grad;
   sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
@@ -128,7 +126,7 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
                   : at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
   // TODO(stage04): copy in this rank's shard of every parameter; make the sharded and the gathered slots
   throw ::shardlab::NotImplemented("04", "copy in this rank's shard of every parameter; make the sharded and the gathered slots");
-  meter_.allocate(MemoryKind::kParams, sharded_bytes());
+  count(MemoryKind::kParams, counted_shards_, sharded_flat_);
 }
 
 void FsdpUnit::validate(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params) {
@@ -155,10 +153,9 @@ void FsdpUnit::discard_unsharded_gradients() {
   count_reducer_bytes();
   for (size_t k = 0; k < params_.size(); ++k) {
     params_[k].param.mutable_grad().reset();
-    if (accumulated_[k].defined()) meter_.release(MemoryKind::kGrads, bytes_of(accumulated_[k]));
     accumulated_[k] = at::Tensor();
-    release_gradient(k);
   }
+  count_unsharded_gradients();
 }
 
 FsdpUnit::~FsdpUnit() {
@@ -185,43 +182,6 @@ size_t FsdpUnit::trainable_count() const {
   return n;
 }
 
-int64_t FsdpUnit::gathered_bytes() const { return storage_bytes(gathered_); }
-
-int64_t FsdpUnit::gathered_capacity_bytes() const { return gathered_numel_ * c10::elementSize(dtypes_.param); }
-
-int64_t FsdpUnit::sharded_bytes() const { return bytes_of(sharded_flat_); }
-
-int64_t FsdpUnit::all_gather_bytes_held() const { return storage_bytes(all_gather_out_); }
-
-int64_t FsdpUnit::all_gather_bytes() const {
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtypes_.param));
-  return (comm_.size() + (dtypes_.casts_params() ? 1 : 0)) * shard_numel_ * elem +
-         comm_.all_gather_scratch_bytes(dtypes_.param, shard_numel_, sharded_flat_.device());
-}
-
-int64_t FsdpUnit::unsharded_grad_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& fp : params_)
-    if (fp.trainable) bytes += fp.spec.numel() * static_cast<int64_t>(c10::elementSize(dtypes_.param));
-  return bytes;
-}
-
-int64_t FsdpUnit::reduce_bytes() const {
-  if (grad_row_numel_ == 0) return 0;
-  const int64_t input = comm_.size() * grad_row_numel_;
-  return (input + grad_row_numel_) * static_cast<int64_t>(c10::elementSize(dtypes_.reduce)) +
-         reducer_->scratch_bytes(dtypes_.reduce, input, sharded_flat_.device());
-}
-
-int64_t FsdpUnit::second_phase_bytes() const {
-  if (grad_row_numel_ == 0) return 0;
-  return reducer_->second_phase_bytes(dtypes_.reduce, comm_.size() * grad_row_numel_, sharded_flat_.device());
-}
-
-int64_t FsdpUnit::deferred_bytes() const {
-  return grad_row_numel_ == 0 ? 0 : reducer_->deferred_bytes(dtypes_.reduce, grad_row_numel_);
-}
-
 at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
   if (pool_ != nullptr && sharded_flat_.is_cpu()) return pool_->empty(numel, dtype);
   return at::empty({numel}, sharded_flat_.options().dtype(dtype));
@@ -232,7 +192,6 @@ void FsdpUnit::begin_unshard() {
   at::NoGradGuard no_grad;
   // TODO(stage04): issue one all-gather of this rank's padded shards (the gathered buffer waits for copy-out)
   throw ::shardlab::NotImplemented("04", "issue one all-gather of this rank's padded shards (the gathered buffer waits for copy-out)");
-  meter_.allocate(MemoryKind::kParams, all_gather_bytes());
   emit(UnitEventKind::kBeginUnshard);
 }
 
@@ -253,27 +212,22 @@ void FsdpUnit::wait_for_all_gather() {
 void FsdpUnit::finish_unshard() {
   if (state_ == UnitState::kUnsharded) return;
   if (state_ == UnitState::kSharded) begin_unshard();
-  const int64_t transient = all_gather_bytes();
   const int64_t wait_start = now_ns();
   wait_for_all_gather();  // what the host waits for is recorded: it is exposed communication
   comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
-  meter_.allocate(MemoryKind::kParams, gathered_capacity_bytes());
   // TODO(stage04): every parameter holds its full value; nothing of the all-gather is kept
   throw ::shardlab::NotImplemented("04", "every parameter holds its full value; nothing of the all-gather is kept");
-  meter_.release(MemoryKind::kParams, transient);
   emit(UnitEventKind::kFinishUnshard);
 }
 
 void FsdpUnit::cancel_unshard() {
   if (state_ != UnitState::kUnsharding) return;
-  const int64_t transient = all_gather_bytes();
   const int64_t wait_start = now_ns();
   wait_for_all_gather();  // it writes into the buffer: wait before dropping it (and every rank completes it)
   comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
   all_gather_out_ = at::Tensor();
   all_gather_in_ = at::Tensor();
   state_ = UnitState::kSharded;
-  meter_.release(MemoryKind::kParams, transient);
   emit(UnitEventKind::kReshard);
 }
 
@@ -282,41 +236,7 @@ void FsdpUnit::reshard() {
   if (state_ == UnitState::kSharded) return;
   // TODO(stage04): free the gathered buffer's bytes; the unit is sharded again
   throw ::shardlab::NotImplemented("04", "free the gathered buffer's bytes; the unit is sharded again");
-  meter_.release(MemoryKind::kParams, gathered_capacity_bytes());
   emit(UnitEventKind::kReshard);
-}
-
-void FsdpUnit::count_sharded_gradients() {
-  // The optimizer may have dropped a sharded gradient (libtorch 2.x zero_grad sets them to None) and we made a new
-  // one: count what is held now, by the storage each gradient really has.
-  for (size_t k = 0; k < params_.size(); ++k) {
-    const at::Tensor& g = params_[k].sharded.grad();
-    const c10::StorageImpl* storage = g.defined() ? g.storage().unsafeGetStorageImpl() : nullptr;
-    if (storage == sharded_grad_storage_[k]) continue;
-    meter_.release(MemoryKind::kGrads, sharded_grad_bytes_[k]);
-    sharded_grad_storage_[k] = storage;
-    sharded_grad_bytes_[k] = bytes_of(g);
-    meter_.allocate(MemoryKind::kGrads, sharded_grad_bytes_[k]);
-  }
-}
-
-void FsdpUnit::count_reducer_bytes() {
-  const int64_t now = reducer_->held_bytes();
-  if (now > reducer_bytes_) meter_.allocate(MemoryKind::kGrads, now - reducer_bytes_);
-  if (now < reducer_bytes_) meter_.release(MemoryKind::kGrads, reducer_bytes_ - now);
-  reducer_bytes_ = now;
-}
-
-void FsdpUnit::note_gradient(size_t k) {
-  const at::Tensor& g = params_.at(k).param.grad();
-  if (counted_grad_[k] != 0 || !g.defined()) return;
-  counted_grad_[k] = bytes_of(g);
-  meter_.allocate(MemoryKind::kGrads, counted_grad_[k]);
-}
-
-void FsdpUnit::release_gradient(size_t k) {
-  meter_.release(MemoryKind::kGrads, counted_grad_[k]);
-  counted_grad_[k] = 0;
 }
 
 void FsdpUnit::stash_gradients() {
@@ -329,11 +249,11 @@ void FsdpUnit::stash_gradients() {
       accumulated_[k].add_(g);
     } else {
       accumulated_[k] = g.to(dtypes_.reduce);
-      meter_.allocate(MemoryKind::kGrads, bytes_of(accumulated_[k]));
+      count_unsharded_gradients();  // the new accumulator beside the gradient it copies: their peak
     }
     g.reset();
-    release_gradient(k);
   }
+  count_unsharded_gradients();
 }
 
 Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
@@ -341,47 +261,27 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   at::NoGradGuard no_grad;
   at::Tensor input = new_buffer(world * grad_row_numel_, dtypes_.reduce).view({world, grad_row_numel_});
   at::Tensor output = new_buffer(grad_row_numel_, dtypes_.reduce);
-  const int64_t transient = reduce_bytes();  // with the reducer's copies
-  meter_.allocate(MemoryKind::kGrads, transient);
   // TODO(stage04): fill `input` from the unsharded gradients (reducer.h: its layout); they are freed
   throw ::shardlab::NotImplemented("04", "fill `input` from the unsharded gradients (reducer.h: its layout); they are freed");
   Handle reduced = (*reducer_)(input.view({-1}), output);
+  const ReductionBytes counted = count_reduction();  // Note [A reduction's bytes, phase by phase]
   emit(UnitEventKind::kReduceLaunched);
-  // See Note [A reduction's bytes, phase by phase].
-  const int64_t second = second_phase_bytes();
-  int64_t first = transient - second;
-  const int64_t kept = reducer_->held_bytes();
-  if (kept < reducer_bytes_) first += reducer_bytes_ - kept;  // the partial it took goes with the first phase
-  if (kept > reducer_bytes_) meter_.allocate(MemoryKind::kGrads, kept - reducer_bytes_);
-  reducer_bytes_ = kept;
-  // The first part goes at the advance, or (a one-phase reducer, or a handle waited for without an advance) after
-  // the step below, while the buffers still live: last.
-  Handle landed = std::move(reduced).then([this, output, second, generation = generation_] {
+  Handle landed = std::move(reduced).then([this, output, counted, generation = generation_] {
     at::NoGradGuard no_grad;
     count_reducer_bytes();            // a deferred micro-batch's row joined the partial
     if (generation != generation_) {  // its backward threw: see discard_unsharded_gradients
-      meter_.release(MemoryKind::kGrads, second);
+      count_reduction_done(counted.second);
       emit(UnitEventKind::kReduceLanded);
       return;
     }
     // TODO(stage04): this rank's row of the average goes into the sharded gradients (accumulated if one is there)
     throw ::shardlab::NotImplemented("04", "this rank's row of the average goes into the sharded gradients (accumulated if one is there)");
     count_sharded_gradients();
-    meter_.release(MemoryKind::kGrads, second);
+    count_reduction_done(counted.second);
     emit(UnitEventKind::kReduceLanded);
   });
-  return std::move(landed).on_advance([this, first] { meter_.release(MemoryKind::kGrads, first); });
+  return std::move(landed).on_advance([this, first = counted.first] { count_reduction_done(first); });
 }
-
-// Note [A reduction's bytes, phase by phase]
-// A reduction holds its input (S rows), its output (one row) and the reducer's scratch (reduce_bytes()) from its
-// launch. A one-phase reducer frees them all when it is waited for. A two-phase one (HSDP) frees its input and the
-// first phase's scratch when FSDP advances it (before the next unit's reduction), and keeps only the output and its
-// second phase's buffers (GradientReducer::second_phase_bytes) until the end of backward. The meter follows: the
-// first part is released by the handle's on_advance step (for a one-phase reducer, whose second part is 0: at its
-// wait), the rest at the wait. A reducer's own partial (held_bytes(): HSDP's deferred micro-batches) is counted while
-// it holds it; a call that takes it in moves it to that call's first part (it is summed into the row before the second
-// phase).
 
 std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
   at::NoGradGuard no_grad;

@@ -167,8 +167,8 @@ class FsdpUnit {
   /// What the reducer keeps between micro-batches that all reduce (GradientReducer::deferred_bytes of one row).
   int64_t deferred_bytes() const;
 
-  /// Counts params()[k]'s unsharded gradient in the meter (once, until it is reduced or stashed). Called by the
-  /// wrapper when the gradient has been accumulated.
+  /// Counts params()[k]'s unsharded gradient in the meter (as it is now: a gradient freed since is no longer
+  /// counted). Called by the wrapper when the gradient has been accumulated.
   void note_gradient(size_t k);
   /// Inside no_sync: when the reduce dtype differs from the param dtype, moves the unsharded gradients into
   /// accumulators of the reduce dtype (FSDP2's unsharded_accumulated_grad), so micro-batches add up in it;
@@ -201,13 +201,27 @@ class FsdpUnit {
   void wait_for_all_gather();  // all_gather_.wait(), keeping the first failure in failure_
   void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
   at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
-  void release_gradient(size_t k);
-  void count_sharded_gradients();
-  // Brings the meter's count of the reducer's held_bytes() up to date.
-  void count_reducer_bytes();
-  void emit(UnitEventKind kind) const {
-    if (sink_) sink_(kind);
-  }
+  // Reports `kind` to the sink, after the meter has counted what the transition holds (count_event).
+  void emit(UnitEventKind kind);
+
+  // The meter's counts (fsdp_unit_memory.cpp; Note [Counting a unit's memory]). Nothing else calls the meter.
+  // A tensor the meter counts by what it holds now: the storage counted, and its bytes.
+  struct Counted {
+    const c10::StorageImpl* storage = nullptr;
+    int64_t bytes = 0;
+  };
+  // What a reduction counts from its launch: released at its advance (`first`) and when it lands (`second`).
+  struct ReductionBytes {
+    int64_t first = 0;
+    int64_t second = 0;
+  };
+  void count_event(UnitEventKind kind);  // the parameters' buffers, by the transition `kind` made
+  void count(MemoryKind kind, Counted& counted, const at::Tensor& now);  // `counted` becomes what `now` holds
+  void count_unsharded_gradients();          // the unsharded gradients and the accumulators, as they are now
+  void count_sharded_gradients();            // the sharded gradients, as they are now
+  void count_reducer_bytes();                // the reducer's held_bytes(), as it is now
+  ReductionBytes count_reduction();          // a reduction just launched: its buffers, and the gradients it freed
+  void count_reduction_done(int64_t bytes);  // a reduction freed a part of what count_reduction counted
 
   std::string name_;
   Communicator& comm_;
@@ -225,11 +239,13 @@ class FsdpUnit {
   at::Tensor all_gather_in_;             // the cast shards (mixed precision only); only while unsharding
   Handle all_gather_;                    // pending while unsharding
   std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
-  std::vector<int64_t> counted_grad_;    // per parameter: unsharded gradient bytes counted in the meter
-  int64_t reducer_bytes_ = 0;            // the reducer's held_bytes() counted in the meter
-  std::vector<const c10::StorageImpl*> sharded_grad_storage_;  // per parameter: the sharded gradient counted
-  std::vector<int64_t> sharded_grad_bytes_;                    // ... and its bytes
-  std::function<void(UnitEventKind)> sink_;                    // set_event_sink
+  // What the meter counts now: the sharded buffer, the other parameters' buffers by state, and per parameter its
+  // unsharded gradient, its accumulator and its sharded gradient; the reducer's held_bytes().
+  Counted counted_shards_;
+  UnitState counted_state_ = UnitState::kSharded;
+  std::vector<Counted> counted_unsharded_, counted_accumulated_, counted_sharded_;
+  int64_t reducer_bytes_ = 0;
+  std::function<void(UnitEventKind)> sink_;  // set_event_sink
   UnitState state_ = UnitState::kSharded;
   std::string failure_;      // see failure()
   uint64_t generation_ = 0;  // bumped by discard_unsharded_gradients: older reductions are dropped on arrival
