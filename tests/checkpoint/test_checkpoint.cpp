@@ -38,12 +38,9 @@
 namespace shardlab {
 namespace {
 
-using test_support::mlp_config;
-using test_support::train;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 namespace fs = std::filesystem;
-using test_support::test_group;
 
-using test_support::TempDir;
 
 // Every tensor a checkpoint holds, whole (its export): what two checkpoints must agree on, bit for bit.
 std::map<std::string, at::Tensor> contents(const std::string& checkpoint) {

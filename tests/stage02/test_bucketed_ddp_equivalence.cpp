@@ -26,10 +26,7 @@
 namespace shardlab::bucketed_ddp {
 namespace {
 
-using test_support::kAtol;
-using test_support::kRtol;
-using test_support::mlp_caps;
-using test_support::test_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 std::vector<at::Tensor> train_rank(Communicator& comm, const TrainConfig& c, const Options& options,
                                    size_t* buckets = nullptr) {

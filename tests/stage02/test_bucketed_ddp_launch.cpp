@@ -25,10 +25,7 @@
 namespace shardlab::bucketed_ddp {
 namespace {
 
-using test_support::mlp_caps;
-using test_support::test_group;
-using test_support::Watch;
-using test_support::watched_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 // Structure: per step exactly one all-reduce (average) per bucket, of the bucket's size, in bucket order; the
 // rebuild adds one broadcast of the order (int64, one entry per parameter) at the start of step 1.

@@ -26,10 +26,7 @@
 namespace shardlab::bucketed_ddp {
 namespace {
 
-using test_support::mlp_caps;
-using test_support::test_group;
-using test_support::Watch;
-using test_support::watched_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 TEST(AssignBuckets, CapsDecideTheCutsAndTheFirstBucketIsSmall) {
   auto model = make_model("mlp", 1);

@@ -27,10 +27,7 @@
 namespace shardlab::fsdp {
 namespace {
 
-using test_support::kAtol;
-using test_support::kRtol;
-using test_support::on_cpu;
-using test_support::test_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
   TrainConfig c = test_support::config("tiny_gpt").global_batch(4);

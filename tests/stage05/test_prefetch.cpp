@@ -30,10 +30,7 @@ using fsdp::FullyShardedModel;
 using fsdp::SchedulePoint;
 using fsdp::UnitEventKind;
 using fsdp::UnitState;
-using test_support::joined;
-using test_support::names_of;
-using test_support::test_group;
-using test_support::UnitLog;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 using Seq = std::vector<std::string>;
 
 TrainConfig gpt() {

@@ -25,10 +25,7 @@ namespace shardlab::hsdp {
 namespace {
 
 using fsdp::FullyShardedModel;
-using test_support::kAtol;
-using test_support::kRtol;
-using test_support::on_cpu;
-using test_support::test_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 // Bytes every unit's HsdpReducer holds in its partial (deferred micro-batches).
 int64_t partial_bytes(const FullyShardedModel& fsdp) {

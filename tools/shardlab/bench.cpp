@@ -21,6 +21,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -84,6 +85,20 @@ nlohmann::json peer_json(const PeerRun& run, const std::string& what) {
     throw std::runtime_error(what + " wrote a result that is not JSON (" + e.what() + "): '" + run.text.substr(0, 200) +
                              "'");
   }
+}
+
+bool peer_figures(const PeerRun& run, const std::string& what, nlohmann::json& figures, std::string& why) {
+  if (!run.ok) {
+    why = what + " run failed (" + run.problem + ")";
+    return false;
+  }
+  try {
+    figures = peer_json(run, what);
+  } catch (const std::runtime_error& e) {  // no figure, as for a failed run
+    why = e.what();
+    return false;
+  }
+  return true;
 }
 
 double json_number(const nlohmann::json& j, const std::string& key) {
@@ -151,74 +166,73 @@ void add_bench_options(CLI::App& cmd, BenchFlags& f) {
       "it overrides the bench's defaults in every section.");
 }
 
+namespace {
+
+// One section's output: printed now, and its markdown and JSON kept for --out.
+struct SectionOut {
+  std::string md, json;
+};
+
+// Prints section result `r` under `label`, and makes its markdown: `title`, the table, `targets_intro` and the
+// targets, then `notes`.
+template <typename Result>
+SectionOut show(const Result& r, const std::string& label, const std::string& title, const std::string& targets_intro,
+                const std::string& notes) {
+  std::cout << "\nshardlab bench, " << label << ": " << r.heading << "\n\n" << r.markdown << "\n" << r.targets;
+  return {"## " + title + "\n\n" + r.heading + ".\n\n" + r.markdown + "\n" + targets_intro + r.targets + "\n" + notes,
+          r.json};
+}
+
+}  // namespace
+
 int run_bench(const BenchFlags& flags, const std::vector<std::string>& run_args, const std::string& self_exe) {
   const BenchOptions b = bench_options(flags, run_args);
-  std::string ddp_md, ddp_json, fsdp_md, fsdp_json;
-  if (b.runs("ddp")) run_ddp_bench(b.ddp, self_exe, &ddp_md, &ddp_json);
-  if (b.runs("fsdp")) {
-    const FsdpBenchResult f = run_fsdp_bench(b.fsdp, self_exe);
-    std::cout << "\nshardlab bench, FSDP: " << f.heading << "\n\n" << f.markdown << "\n" << f.targets;
-    fsdp_md =
-        "## FSDP beside PyTorch FSDP2\n\n" + f.heading + ".\n\n" + f.markdown + "\nTargets:\n\n" + f.targets +
-        "\n*Sent bytes* are what each rank sends per step under ring algorithms (an all-gather sends N-1 of its N "
-        "chunks, shardlab's ring reduce-scatter N-1 of N rows, an all-reduce twice that), against the lower bound "
-        "3(N-1)/N x 4 bytes x parameters for FSDP with resharding after forward (2(N-1)/N without, and for DDP). "
-        "*Peak* memory is measured by FSDP's accounting against the layout's theory.\n";
-    fsdp_json = f.json;
-  }
-  std::string rs_md, rs_json;
-  if (b.runs("reduce_scatter")) {
-    const RsBenchResult r = run_rs_bench(b.fsdp.run, b.repeat, self_exe);
-    std::cout << "\nshardlab bench, the rings (reduce-scatter, all-gather): " << r.heading << "\n\n"
-              << r.markdown << "\n"
-              << r.targets;
-    rs_md = "## The rings: reduce-scatter beside the all-reduce fallback, all-gather beside the backend's\n\n" +
-            r.heading + ".\n\n" + r.markdown + "\n" + r.targets +
-            "\nGloo has no reduce-scatter: the fallback (what PyTorch's FSDP gets on Gloo) all-reduces the whole "
-            "input; the ring is c10d send/recv (Note [Ring reduce-scatter]). Gloo 1.13's list all-gather fills a "
-            "flat output of its own and copies it out; the ring all-gather receives straight into the output (Note "
-            "[Ring all-gather]). FSDP's units use whichever `auto` picks.\n";
-    rs_json = r.json;
-  }
-  std::string hsdp_md, hsdp_json;
-  if (b.runs("hsdp")) {
-    const FsdpBenchResult h = run_hsdp_bench(b.fsdp, self_exe);
-    std::cout << "\nshardlab bench, HSDP: " << h.heading << "\n\n" << h.markdown << "\n" << h.targets;
-    hsdp_md = "## HSDP beside FSDP and DDP on 4 ranks, and beside PyTorch FSDP2's HSDP\n\n" + h.heading + ".\n\n" +
-              h.markdown + "\n" + h.targets +
-              "\n*Bytes* are rank 0's payload per step on each group (shard: its row of the mesh; replicate: its "
-              "column; world: every rank), beside the layout's theory. Four ranks on two cores: read the ratios.\n";
-    hsdp_json = h.json;
-  }
-  std::string real_md, real_json;
-  if (b.runs("real")) {
-    const FsdpBenchResult r = run_real_bench(b.fsdp, self_exe);
-    std::cout << "\nshardlab bench, real sizes: " << r.heading << "\n\n" << r.markdown << "\n" << r.targets;
-    real_md = "## At real sizes: FSDP beside DDP and PyTorch FSDP2 built on the meta device\n\n" + r.heading + ".\n\n" +
-              r.markdown + "\n" + r.targets +
-              "\n*Construction* is each rank's peak resident memory once the model is built and wrapped; *run peak* "
-              "over the whole run; *steady peak* over the timed steps; *base* before the model. *Exposed comm* is "
-              "the time rank 0's training thread waited for a collective, of the time one was in flight.\n";
-    real_json = r.json;
-  }
+  std::map<std::string, SectionOut> out;  // by section name: what ran
+  if (b.runs("ddp")) run_ddp_bench(b.ddp, self_exe, &out["ddp"].md, &out["ddp"].json);
+  if (b.runs("fsdp"))
+    out["fsdp"] =
+        show(run_fsdp_bench(b.fsdp, self_exe), "FSDP", "FSDP beside PyTorch FSDP2", "Targets:\n\n",
+             "*Sent bytes* are what each rank sends per step under ring algorithms (an all-gather sends N-1 of its N "
+             "chunks, shardlab's ring reduce-scatter N-1 of N rows, an all-reduce twice that), against the lower bound "
+             "3(N-1)/N x 4 bytes x parameters for FSDP with resharding after forward (2(N-1)/N without, and for DDP). "
+             "*Peak* memory is measured by FSDP's accounting against the layout's theory.\n");
+  if (b.runs("reduce_scatter"))
+    out["reduce_scatter"] =
+        show(run_rs_bench(b.fsdp.run, b.repeat, self_exe), "the rings (reduce-scatter, all-gather)",
+             "The rings: reduce-scatter beside the all-reduce fallback, all-gather beside the backend's", "",
+             "Gloo has no reduce-scatter: the fallback (what PyTorch's FSDP gets on Gloo) all-reduces the whole "
+             "input; the ring is c10d send/recv (Note [Ring reduce-scatter]). Gloo 1.13's list all-gather fills a "
+             "flat output of its own and copies it out; the ring all-gather receives straight into the output (Note "
+             "[Ring all-gather]). FSDP's units use whichever `auto` picks.\n");
+  if (b.runs("hsdp"))
+    out["hsdp"] = show(run_hsdp_bench(b.fsdp, self_exe), "HSDP",
+                       "HSDP beside FSDP and DDP on 4 ranks, and beside PyTorch FSDP2's HSDP", "",
+                       "*Bytes* are rank 0's payload per step on each group (shard: its row of the mesh; replicate: "
+                       "its column; world: every rank), beside the layout's theory. Four ranks on two cores: read the "
+                       "ratios.\n");
+  if (b.runs("real"))
+    out["real"] =
+        show(run_real_bench(b.fsdp, self_exe), "real sizes",
+             "At real sizes: FSDP beside DDP and PyTorch FSDP2 built on the meta device", "",
+             "*Construction* is each rank's peak resident memory once the model is built and wrapped; *run peak* "
+             "over the whole run; *steady peak* over the timed steps; *base* before the model. *Exposed comm* is "
+             "the time rank 0's training thread waited for a collective, of the time one was in flight.\n");
   if (!b.out.empty()) {
-    write_file_atomically(b.out + ".md",
-                          "# Benchmark: shardlab beside PyTorch\n\nGenerated by `shardlab bench" +
-                              (b.section == "all" ? std::string() : " --section " + b.section) +
-                              (b.repeat == 3 ? std::string() : " --repeat " + std::to_string(b.repeat)) + " --out " +
-                              b.out + "` (see README). Machine: " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) +
-                              " CPU cores.\n\n" + ddp_md + (ddp_md.empty() || fsdp_md.empty() ? "" : "\n") + fsdp_md +
-                              (rs_md.empty() ? "" : "\n") + rs_md + (hsdp_md.empty() ? "" : "\n") + hsdp_md +
-                              (real_md.empty() || (ddp_md + fsdp_md + rs_md + hsdp_md).empty() ? "" : "\n") + real_md);
-    // Each section's JSON, null where the section did not run.
-    const auto section = [](const std::string& text) {
-      return text.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json::parse(text);
-    };
-    const nlohmann::ordered_json all{{"ddp", section(ddp_json)},
-                                     {"fsdp", section(fsdp_json)},
-                                     {"reduce_scatter", section(rs_json)},
-                                     {"hsdp", section(hsdp_json)},
-                                     {"real", section(real_json)}};
+    std::string md = "# Benchmark: shardlab beside PyTorch\n\nGenerated by `shardlab bench" +
+                     (b.section == "all" ? std::string() : " --section " + b.section) +
+                     (b.repeat == 3 ? std::string() : " --repeat " + std::to_string(b.repeat)) + " --out " + b.out +
+                     "` (see README). Machine: " + std::to_string(sysconf(_SC_NPROCESSORS_ONLN)) + " CPU cores.\n\n";
+    nlohmann::ordered_json all = nlohmann::ordered_json::object();  // each section's JSON, null where it did not run
+    bool first = true;
+    for (const char* name : {"ddp", "fsdp", "reduce_scatter", "hsdp", "real"}) {
+      const auto it = out.find(name);
+      const bool ran = it != out.end() && !it->second.md.empty();
+      if (ran) md += (first ? "" : "\n") + it->second.md;
+      first = first && !ran;
+      all[name] =
+          ran && !it->second.json.empty() ? nlohmann::ordered_json::parse(it->second.json) : nlohmann::ordered_json();
+    }
+    write_file_atomically(b.out + ".md", md);
     write_file_atomically(b.out + ".json",
                           all.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n");
     std::cout << "\nwrote " << b.out << ".md and " << b.out << ".json\n";

@@ -84,17 +84,8 @@ TorchResult run_torch(const DdpBenchOptions& b) {
                                 json};
   const PeerRun run = run_peer_script(o, argv, json);
   fs::remove_all(tmpl);
-  if (!run.ok) {
-    t.why = "PyTorch DDP run failed (" + run.problem + ")";
-    return t;
-  }
   nlohmann::json j;
-  try {
-    j = peer_json(run, "PyTorch DDP (" + b.torch_script + ")");
-  } catch (const std::runtime_error& e) {  // no figure, as for a failed run: the rest of the bench goes on
-    t.why = e.what();
-    return t;
-  }
+  if (!peer_figures(run, "PyTorch DDP (" + b.torch_script + ")", j, t.why)) return t;
   t.ok = true;
   t.step_ms = json_number(j, "median_step_ms");
   t.param_count = json_number(j, "param_count");

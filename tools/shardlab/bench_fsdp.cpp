@@ -104,17 +104,8 @@ Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, 
   if (!mesh.empty()) argv.insert(argv.end(), {"--mesh", mesh});
   if (meta) argv.emplace_back("--meta");
   const PeerRun run = run_peer_script(o, argv, (dir / "fsdp.json").string());
-  if (!run.ok) {
-    p.why = "PyTorch FSDP2 run failed (" + run.problem + ")";
-    return p;
-  }
   nlohmann::json j;
-  try {
-    j = peer_json(run, "PyTorch FSDP2 (torch_fsdp.py)");
-  } catch (const std::runtime_error& e) {  // no figure, as for a failed run: the rest of the bench goes on
-    p.why = e.what();
-    return p;
-  }
+  if (!peer_figures(run, "PyTorch FSDP2 (torch_fsdp.py)", j, p.why)) return p;
   p.ok = true;
   p.step_ms = json_number(j, "median_step_ms");
   p.param_count = json_number(j, "param_count");

@@ -225,20 +225,21 @@ void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
 }
 
 void FsdpUnit::wait_for_all_gather() {
+  const int64_t wait_start = now_ns();
   try {
     all_gather_.wait();
   } catch (const std::exception& e) {
     if (failure_.empty()) failure_ = e.what();
     throw;
   }
+  // What the host waited for is recorded: it is exposed communication.
+  comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
 }
 
 void FsdpUnit::finish_unshard() {
   if (state_ == UnitState::kUnsharded) return;
   if (state_ == UnitState::kSharded) begin_unshard();
-  const int64_t wait_start = now_ns();
-  wait_for_all_gather();  // what the host waits for is recorded: it is exposed communication
-  comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
+  wait_for_all_gather();
   // BEGIN SOLUTION(04): every parameter holds its full value; nothing of the all-gather is kept
   regrow_storage(gathered_, gathered_capacity_bytes());
   {
@@ -254,9 +255,7 @@ void FsdpUnit::finish_unshard() {
 
 void FsdpUnit::cancel_unshard() {
   if (state_ != UnitState::kUnsharding) return;
-  const int64_t wait_start = now_ns();
   wait_for_all_gather();  // it writes into the buffer: wait before dropping it (and every rank completes it)
-  comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
   all_gather_out_ = at::Tensor();
   all_gather_in_ = at::Tensor();
   state_ = UnitState::kSharded;

@@ -33,15 +33,7 @@ HsdpReducer::HsdpReducer(Communicator& shard, Communicator& replicate, Wire wire
     : shard_(shard), replicate_(replicate), wire_(wire) {}
 
 std::string HsdpReducer::name() const {
-  switch (wire_) {
-    case Wire::kFloat16:
-      return "hsdp_fp16";
-    case Wire::kBFloat16:
-      return "hsdp_bf16";
-    case Wire::kReduceDtype:
-      break;
-  }
-  return "hsdp";
+  return wire_ == Wire::kReduceDtype ? "hsdp" : std::string("hsdp_") + wire_name(wire_);
 }
 
 int64_t HsdpReducer::scratch_bytes(c10::ScalarType dtype, int64_t input_numel, c10::Device device) const {

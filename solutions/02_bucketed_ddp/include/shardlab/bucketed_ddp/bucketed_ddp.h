@@ -108,25 +108,11 @@ class BucketedDDP : public ReplicatedModel {
   ///         std::invalid_argument for a negative max_norm or a p that is not positive.
   double clip_grad_norm(double max_norm, double p = 2.0) override;
 
-  /// Saves the model and `optimizer`'s state (null: the model only) as a sharded checkpoint in `dir`, replacing the
-  /// one there atomically (training_state.h, checkpoint.h). Every rank holds the same replica: rank 0 writes it.
-  /// `metadata` (rank 0's) is saved alongside. A collective: every rank calls it, between steps.
-  /// @param dir the checkpoint's directory (on a filesystem every rank sees).
-  /// @param optimizer built over parameters(); null to save the model only.
-  /// @param metadata strings to keep with the checkpoint (the step, the data position).
-  /// @throws as save_training_checkpoint, on every rank alike.
+  /// Checkpoints, as NaiveDDP's (ParallelModel's contract): every rank holds the same replica, so rank 0 writes
+  /// it; any wrapper at any world size loads it, all or nothing. Collectives: every rank calls them, between steps.
+  /// The bucket layout is saved with the model and restored (Note [The bucket layout in a checkpoint]).
   void save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
                        const std::map<std::string, std::string>& metadata = {}) override;
-  /// Loads a checkpoint saved by any wrapper at any world size (or a full safetensors file) into the model and,
-  /// when not null, `optimizer`; all or nothing. A collective: every rank calls it, between steps.
-  /// @param path the checkpoint's directory, or a safetensors file.
-  /// @param optimizer built over parameters(); null to load the model only.
-  /// @param optimizer_if_saved true: a checkpoint of weights only (exported, or from PyTorch) loads the model and
-  ///        leaves `optimizer` as it is (load_training_checkpoint).
-  /// @param names the model's name of each saved tensor, for a file named otherwise (a Hugging Face file's dotted
-  ///        names; checkpoint.h's SavedNames); empty: the saved names. A tied weight loads under any of its names.
-  /// @return the saved metadata.
-  /// @throws as load_training_checkpoint, on every rank alike, before anything changes.
   std::map<std::string, std::string> load_checkpoint(const std::string& path, torch::optim::Optimizer* optimizer,
                                                      bool optimizer_if_saved = false,
                                                      const SavedNames& names = {}) override;

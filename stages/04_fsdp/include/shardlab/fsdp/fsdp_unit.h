@@ -198,7 +198,7 @@ class FsdpUnit {
   std::vector<at::Tensor> gather_full_parameters();
 
  private:
-  void wait_for_all_gather();  // all_gather_.wait(), keeping the first failure in failure_
+  void wait_for_all_gather();  // all_gather_.wait(), recorded as the wait "fsdp unshard"; keeps the first failure
   void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
   at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
   // Reports `kind` to the sink, after the meter has counted what the transition holds (count_event).
