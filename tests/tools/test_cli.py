@@ -80,6 +80,12 @@ expect([shardlab, "train", "--strategy", "fsdp", "--mesh", "2x2"], 2,
        "--mesh applies to strategy hsdp only; got strategy 'fsdp'")
 expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "65536x65536"], 2,
        "--mesh: expects at most 64 ranks (R x S), as --world-size; got '65536x65536', 4294967296 ranks")
+# hsdp is the library's parallelize: a mesh of shard size 1 would make it DDP.
+expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "4x1"], 2,
+       "--strategy hsdp shards over S >= 2 ranks per replica; got a 4x1 mesh (a mesh of shard size 1 is DDP: "
+       "--strategy bucketed_ddp)")
+expect([shardlab, "train", "--strategy", "hsdp", "--world-size", "1"], 2,
+       "--strategy hsdp shards over S >= 2 ranks per replica; got a 1x1 mesh")
 expect([shardlab, "train", "--strategy", "hsdp", "--defer-all-reduce", "yes"], 2,
        "--defer-all-reduce: expects one of true|false; got 'yes'")
 expect([shardlab, "bench", "--repeat", "0"], 2, "--repeat: expects an integer in [1, 20]; got '0'")

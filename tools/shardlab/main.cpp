@@ -47,6 +47,10 @@ int compare(const RunOptions& o, const std::string& self) {
       std::cout << "compare: " << s.name << " left out: it cannot clip (--clip-norm)\n";
       continue;
     }
+    if (s.can.mesh && o.world_size < 2) {
+      std::cout << "compare: " << s.name << " left out: it shards over 2 or more ranks (--world-size)\n";
+      continue;
+    }
     RunOptions each = o;
     each.strategy = s.name;
     each.world_size = s.can.communicates ? o.world_size : 1;

@@ -166,9 +166,10 @@ void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker) {
       ->transform(integer_in(0, 64));
   cmd.add_option("--prefetch-limit", s.prefetch_limit, "fsdp_prefetch, hsdp: most units ahead at once (0: the depth)")
       ->transform(integer_in(0, 64));
-  cmd.add_option("--mesh", s.mesh,
-                 "hsdp: R replicas of S shards (sets the world size to R*S; default 2x(N/2) for an even world size "
-                 "N >= 4, else 1xN)")
+  cmd.add_option(
+         "--mesh", s.mesh,
+         "hsdp: R replicas of S >= 2 shards (sets the world size to R*S; default 2x(N/2) for an even world size "
+         "N >= 4, else 1xN)")
       ->check(mesh_shape_of());
   cmd.add_option_function<std::string>(
          "--defer-all-reduce", [&s](const std::string& v) { s.defer_all_reduce = v == "true"; },
@@ -248,6 +249,13 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
     throw std::invalid_argument("--strategy " + o.strategy + " runs on one rank; got --world-size " +
                                 std::to_string(o.world_size) + " (drop the flag or pass 1)");
   if (one_rank) o.world_size = 1;
+  if (allow_strategy && can.mesh) {  // the library's parallelize: an Rx1 mesh would be DDP, not this strategy
+    const auto [replicas, shards] = mesh_shape(o.strategy_options, world);
+    if (shards < 2)
+      throw std::invalid_argument("--strategy " + o.strategy + " shards over S >= 2 ranks per replica; got a " +
+                                  std::to_string(replicas) + "x" + std::to_string(shards) +
+                                  " mesh (a mesh of shard size 1 is DDP: --strategy bucketed_ddp)");
+  }
   if (o.backend == "nccl" && !parse_device(o.train.device).is_cuda())
     throw std::invalid_argument("--backend nccl moves CUDA tensors only; it needs --device cuda, got --device " +
                                 o.train.device);

@@ -9,7 +9,7 @@
 #include "shardlab/core/device/device.h"
 #include "shardlab/course/data.h"
 #include "shardlab/fsdp/fsdp.h"
-#include "shardlab/hsdp/hsdp.h"
+#include "shardlab/hsdp/parallelize.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "shardlab/prefetch/prefetch.h"
 
@@ -120,12 +120,12 @@ fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
 
 // Stage 05: FSDP with the next units' all-gathers issued ahead (--prefetch-depth, --prefetch-limit). The same
 // collectives as fsdp, so the same traffic.
-void prefetch_as_told(fsdp::FullyShardedModel& wrapper, const StrategyOptions& s) {
+prefetch::PrefetchPolicy prefetch_policy(const StrategyOptions& s) {
   prefetch::PrefetchPolicy policy;
   policy.forward_depth = s.prefetch_depth;
   policy.backward_depth = s.prefetch_depth;
   policy.max_in_flight = s.prefetch_limit;
-  prefetch::enable_prefetch(wrapper, policy);
+  return policy;
 }
 
 // Stage 04's FSDP, built sharded; with stage 05's prefetch when `prefetch`.
@@ -133,25 +133,31 @@ std::unique_ptr<StepRunner> fsdp_runner(const TrainConfig& c, const StrategyOpti
   std::shared_ptr<Model> model;
   auto wrapper = std::make_unique<fsdp::FullyShardedModel>(sharded_builder(c, model), world->world(),
                                                            fsdp_options(s, c.model), parse_device(c.device));
-  if (prefetch) prefetch_as_told(*wrapper, s);
+  if (prefetch) prefetch::enable_prefetch(*wrapper, prefetch_policy(s));
   return wrapped_runner(c, model, std::move(wrapper));
 }
 
-// Stage 06: HSDP on the mesh of mesh_shape(), with stage 05's prefetch inside each replica. Micro-batches before
-// the last run under no_sync, or with the all-reduce deferred (--defer-all-reduce true).
+// Stage 06, the library: parallelize() on the mesh of mesh_shape() (S > 1: check_run_options refuses an Rx1 mesh,
+// which parallelize makes DDP), HSDP with stage 05's prefetch inside each replica (FSDP for a 1xS mesh). Micro-batches
+// before the last run under no_sync, or with the all-reduce across replicas deferred (--defer-all-reduce true).
 std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
   const auto [replicas, shards] = mesh_shape(s, world->size());
   auto mesh = std::make_shared<Mesh>(*world, replicas, shards);
+  const fsdp::Options units = fsdp_options(s, c.model);
+  ParallelPolicy policy;
+  policy.mixed_precision = units.mixed_precision;
+  policy.reshard.after_forward = units.reshard_after_forward;
+  policy.prefetch = prefetch_policy(s);
+  policy.reduction.allow_unused_parameters = units.allow_unused_parameters;
+  policy.buffers.pool = units.pool_buffers;
   std::shared_ptr<Model> model;
-  auto wrapper = hsdp::fully_shard_hybrid(sharded_builder(c, model), *mesh, fsdp_options(s, c.model),
-                                          Wire::kReduceDtype, parse_device(c.device));
-  prefetch_as_told(*wrapper, s);
+  auto dp = parallelize(sharded_builder(c, model), *mesh, policy, parse_device(c.device));
   MicroBatchHook accumulation;
-  if (s.defer_all_reduce) {
-    fsdp::FullyShardedModel* w = wrapper.get();
-    accumulation = [w](bool last) { hsdp::set_requires_all_reduce(*w, last); };
+  if (s.defer_all_reduce && dp->kind() == DataParallel::Kind::kHsdp) {  // a 1xS mesh has no all-reduce to defer
+    DataParallel* d = dp.get();
+    accumulation = [d](bool last) { d->set_requires_all_reduce(last); };
   }
-  return wrapped_runner(c, model, std::move(wrapper), nullptr, std::move(mesh), std::move(accumulation));
+  return wrapped_runner(c, model, std::move(dp), nullptr, std::move(mesh), std::move(accumulation));
 }
 
 }  // namespace

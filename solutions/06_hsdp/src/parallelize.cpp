@@ -78,6 +78,7 @@ fsdp::Options sharded_options(const ParallelPolicy& policy) {
   options.mixed_precision = policy.mixed_precision;
   options.reshard_after_forward = policy.reshard.after_forward;
   options.allow_unused_parameters = policy.reduction.allow_unused_parameters;
+  options.pool_buffers = policy.buffers.pool;
   return options;
 }
 

@@ -47,12 +47,21 @@ struct ReductionPolicy {
   bool allow_unused_parameters = false;
 };
 
-/// Everything parallelize() takes besides the model and the mesh; each part has FSDP2's default.
+/// Where the sharded units' buffers come from.
+struct BufferPolicy {
+  /// True: the all-gather and reduce-scatter buffers are reused from a pool (fsdp::Options::pool_buffers); false:
+  /// each is allocated and freed every time.
+  bool pool = true;
+};
+
+/// Everything parallelize() takes besides the model and the mesh; each part has FSDP2's default (the buffers:
+/// shardlab's).
 struct ParallelPolicy {
   fsdp::MixedPrecision mixed_precision;  ///< param and reduce dtypes of the sharded units (none: the parameters')
   ReshardPolicy reshard;                 ///< the sharded units' reshard after forward
   prefetch::PrefetchPolicy prefetch;     ///< the sharded units' all-gathers issued ahead (depth 1 each way)
   ReductionPolicy reduction;             ///< the gradients' wire and unused parameters
+  BufferPolicy buffers;                  ///< the sharded units' buffers: pooled or not
 };
 
 /// A model trained data-parallel on a mesh: what parallelize() returns. A ParallelModel (parallel_model.h) that
