@@ -9,7 +9,9 @@ with a repeated --bucket-cap-kb, an array in TOML):
   - a flag given beside --config wins (another seed: the losses differ, so the comparison above can fail), also
     where the file's values would clash with it (another strategy, mesh or world size);
   - a key no option has (or another command's), a bad value, a missing file, --config with another command and a
-    value a config file cannot hold are usage errors (exit 2) that name what is wrong.
+    value a config file cannot hold are usage errors (exit 2) that name what is wrong;
+  - `shardlab worker --config FILE` (one rank; on several machines every rank reads the same file) trains the file's
+    run: one device's losses bit for bit as `train` had them; a run option typed beside it is refused.
 """
 import json
 import os
@@ -142,5 +144,20 @@ with tempfile.TemporaryDirectory() as tmp:
     usage_error(["train", "--config", "BAD"], "--steps: expects an integer in [1, 100000]; got 'ten'", tmp,
                 "[train]\nsteps = \"ten\"\n")
     usage_error(["train", "--config", os.path.join(tmp, "missing.toml")], "--config expects a readable TOML file", tmp)
+
+    # A worker takes the same file (one rank each; several machines share it): one device's run, as train ran it.
+    single, single_json, ranks = (os.path.join(tmp, x) for x in ("single.toml", "single.json", "ranks"))
+    run(["train", "--strategy", "single", "--steps", "2", "--seed", "5", "--write-config", single, "--json",
+         single_json])
+    os.makedirs(ranks)
+    run(["worker", "--config", single, "--result-dir", ranks])
+    worker_losses = report(os.path.join(ranks, "rank0.json"))["losses"]
+    train_losses = report(single_json)["losses"]
+    check(worker_losses == train_losses, "worker --config trains the file's run: the same losses bit for bit",
+          f"worker {worker_losses}, train {train_losses}")
+    usage_error(["worker", "--config", single, "--steps", "3", "--result-dir", ranks],
+                "worker --config takes every run option from the file; got --steps too", tmp)
+    usage_error(["worker", "--config", "BAD", "--result-dir", ranks], "the file sets 'train.bogus', which no option takes",
+                tmp, "[train]\nsteps = 2\nbogus = 1\n")
 
 sys.exit(1 if failures else 0)

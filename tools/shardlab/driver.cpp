@@ -136,6 +136,9 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   LaunchOptions launch_options;
   launch_options.nproc = o.world_size;
   launch_options.timeout = std::chrono::seconds(o.timeout_s);
+  // The ranks get the options as flags, from to_args: the serializer config_toml writes the same options with (a
+  // worker reads either through add_run_options). Not as a config file: CLI11 2.1's TOML cannot hold a '#', a '\' or
+  // both quotes in a value (check_config_writable), and a --save or --trace path may.
   std::vector<std::string> argv{self_exe, "worker"};
   for (auto& a : to_args(o)) argv.push_back(a);
   ProgressBar bar(o.strategy);

@@ -132,6 +132,14 @@ int main(int argc, char** argv) {
       "one rank of train, started by a launcher (shardlab-run, torchrun) on each machine; writes its results "
       "to --result-dir");
   add_run_options(*worker_cmd, worker_o, /*strategy=*/true, /*worker=*/true);
+  // Its options from a config file instead (train --write-config's): on several machines, one file for every rank.
+  std::string worker_config;
+  worker_cmd
+      ->add_option("--config", worker_config,
+                   "read every run option from FILE (TOML, as train --write-config writes it); only --result-dir "
+                   "may be typed beside it")
+      ->type_name("FILE")
+      ->check(CLI::ExistingFile);
   // Hidden: one rank of the ring benchmark.
   CLI::App* probe_cmd = app.add_subcommand("rs-probe", "one rank of bench --section reduce_scatter")->group("");
   std::string probe_out;
@@ -163,7 +171,18 @@ int main(int argc, char** argv) {
       throw CLI::ValidationError("--config", "reads the options of shardlab train; got it with shardlab " +
                                                  app.get_subcommands().front()->get_name());
     const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-    if (*worker_cmd) return run_worker(check_run_options(given_flags(*worker_cmd), worker_o, true));
+    if (*worker_cmd) {
+      std::set<std::string> typed = given_flags(*worker_cmd);
+      if (worker_config.empty()) return run_worker(check_run_options(typed, worker_o, true));
+      typed.erase("--config");
+      typed.erase("--result-dir");
+      if (!typed.empty())
+        throw std::invalid_argument("worker --config takes every run option from the file; got " + *typed.begin() +
+                                    " too (write it into the file: shardlab train ... --write-config FILE)");
+      RunOptions o = read_config_file(worker_config);
+      o.result_dir = worker_o.result_dir;
+      return run_worker(check_run_options({}, o, true));
+    }
     if (*probe_cmd) return run_rs_probe(probe_out, probe_rounds);
     if (*train_cmd) {
       RunOptions o = check_run_options(train_typed, train_o, true);

@@ -96,4 +96,11 @@ std::vector<std::string> to_args(const RunOptions& o);
 /// what --write-config writes and the report's "config".
 std::string config_toml(const RunOptions& o);
 
+/// The options a config file holds (the TOML config_toml writes, `shardlab train --write-config`), read by the parser
+/// `shardlab train --config` uses, over the defaults: `shardlab worker --config FILE`. Not yet checked
+/// (check_run_options).
+/// @throws CLI::ParseError as `train --config` does (a key no option takes, a bad value, an unreadable file); the
+///         caller words it as for train.
+RunOptions read_config_file(const std::string& path);
+
 }  // namespace shardlab::cli

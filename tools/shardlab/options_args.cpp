@@ -14,6 +14,16 @@
 #include <vector>
 
 namespace shardlab::cli {
+namespace {
+
+// `app`'s subcommand "train" with the run options, bound to `o`: the table a config file's keys are read from.
+CLI::App* add_run_options_command(CLI::App& app, RunOptions& o) {
+  CLI::App* train = app.add_subcommand("train");
+  add_run_options(*train, o, /*strategy=*/true);
+  return train;
+}
+
+}  // namespace
 
 std::string config_toml(const RunOptions& o) {
   // to_args is complete by construction (a worker runs on it alone): every option in force, derived ones included
@@ -26,10 +36,21 @@ std::string config_toml(const RunOptions& o) {
   args.insert(args.begin(), "train");
   CLI::App app{"", "shardlab"};
   RunOptions parsed = default_run_options();
-  add_run_options(*app.add_subcommand("train"), parsed, /*strategy=*/true);
+  add_run_options_command(app, parsed);
   std::reverse(args.begin(), args.end());  // CLI11 takes a vector last argument first
   app.parse(args);
   return app.config_to_str(/*default_also=*/false, /*write_description=*/false);
+}
+
+RunOptions read_config_file(const std::string& path) {
+  CLI::App app{"", "shardlab"};
+  app.allow_config_extras(CLI::config_extras_mode::error);  // as train's: a key no option takes is refused
+  RunOptions o = default_run_options();
+  CLI::App* train = add_run_options_command(app, o);
+  app.set_config("--config");
+  train->fallthrough();
+  app.parse(std::vector<std::string>{path, "--config", "train"});  // CLI11 takes a vector last argument first
+  return o;
 }
 
 void check_config_writable(const RunOptions& o) {
