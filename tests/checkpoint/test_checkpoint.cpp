@@ -14,6 +14,7 @@
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "support/checkpoint_training.h"
 #include "support/group.h"
+#include "support/spaced_batch.h"
 #include "support/temp_dir.h"
 #include "support/train_config.h"
 
@@ -41,7 +42,6 @@ namespace {
 using namespace test_support;  // tests/support: the rank loops, builders and checks
 namespace fs = std::filesystem;
 
-
 // Every tensor a checkpoint holds, whole (its export): what two checkpoints must agree on, bit for bit.
 std::map<std::string, at::Tensor> contents(const std::string& checkpoint) {
   const std::string file = checkpoint + ".export.safetensors";
@@ -65,6 +65,22 @@ std::string difference(const std::map<std::string, at::Tensor>& a, const std::ma
   for (const auto& [name, t] : b)
     if (!a.count(name)) return "'" + name + "' is missing from the first";
   return "";
+}
+
+// On `world` thread ranks, FSDP over `c`'s model with AdamW (lr 0.01) trains `steps` steps from step 0, then saves a
+// checkpoint at `path` with `metadata`.
+void save_trained_fsdp(const std::string& path, const TrainConfig& c, int world, int steps,
+                       const std::map<std::string, std::string>& metadata = {}) {
+  run_ranks(
+      world,
+      [&](Communicator& comm) {
+        auto model = make_model(c.model, c.seed);
+        fsdp::FullyShardedModel fsdp(model, comm);
+        auto opt = make_optimizer("adamw", fsdp.parameters(), 0.01);
+        train(fsdp, *opt, comm, c, 0, steps);
+        fsdp.save_checkpoint(path, opt.get(), metadata);
+      },
+      test_group());
 }
 
 // Bytes per element of a safetensors dtype name.
@@ -142,16 +158,7 @@ TEST(Checkpoint, FsdpSavedAtFourReloadsBitExactAtOneTwoThreeAndBack) {
   TempDir dir("reshard");
   const TrainConfig c = mlp_config();
   const std::string at4 = dir / "at4";
-  run_ranks(
-      4,
-      [&](Communicator& comm) {
-        auto model = make_model(c.model, c.seed);
-        fsdp::FullyShardedModel fsdp(model, comm);
-        auto opt = make_optimizer("adamw", fsdp.parameters(), 0.01);
-        train(fsdp, *opt, comm, c, 0, 2);
-        fsdp.save_checkpoint(at4, opt.get(), {{"step", "2"}});
-      },
-      test_group());
+  save_trained_fsdp(at4, c, 4, 2, {{"step", "2"}});
   const auto saved = contents(at4);
   const CheckpointIndex index = read_checkpoint_index(at4);
   EXPECT_EQ(index.world_size, 4);
@@ -346,16 +353,7 @@ TEST(Checkpoint, ABrokenCheckpointIsRefusedOnEveryRankBeforeAnythingChanges) {
   TempDir dir("broken");
   const TrainConfig c = mlp_config();
   const std::string good = dir / "good";
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model(c.model, c.seed);
-        fsdp::FullyShardedModel fsdp(model, comm);
-        auto opt = make_optimizer("adamw", fsdp.parameters(), 0.01);
-        train(fsdp, *opt, comm, c, 0, 1);
-        fsdp.save_checkpoint(good, opt.get());
-      },
-      test_group());
+  save_trained_fsdp(good, c, 2, 1);
   const std::string file1 = "rank-00001-of-00002.safetensors";
   struct Case {
     std::string name;
@@ -567,9 +565,7 @@ TEST(Names, TrainableParametersListATiedWeightOnceSoTheOptimizerStepsItOnce) {
 // race each other), one slot in BucketedDDP's buckets, and parameters() lists it once, so the optimizer steps it once
 // and the step equals one device's on the union batch.
 TEST(Names, EveryDdpReducesATiedWeightOnceAndStepsLikeOneDevice) {
-  Batch global;
-  global.input = at::linspace(-1.0, 1.0, 8).reshape({4, 2});
-  global.target = at::zeros({4}, at::kLong);
+  const Batch global = test_support::spaced_batch(4, 2);
   TiedModel reference;
   reference.loss(global).backward();
   const at::Tensor want = reference.parameters()[0].grad().clone();

@@ -42,6 +42,13 @@ struct Collector {
 
 std::vector<std::string> sh(const std::string& script) { return {"/bin/sh", "-c", script}; }
 
+/// LaunchOptions for `nproc` ranks, every other field at its default.
+LaunchOptions ranks(int nproc) {
+  LaunchOptions options;
+  options.nproc = nproc;
+  return options;
+}
+
 void print_result(const LaunchResult& r) {
   std::cout << "exit_code=" << r.exit_code << " failed_rank=" << r.failed_rank << " message='" << r.message << "'\n";
 }
@@ -74,9 +81,18 @@ std::string wait_for_files(const std::vector<std::string>& names) {
   return "until " + test + "; do sleep 0.01; done; ";
 }
 
+/// launch() of `script` (sh -c) with `options` and a fresh SyncDir as $SYNC, every line into `out`; prints the
+/// result and returns it (the directory goes once launch() has reaped every rank).
+LaunchResult launch_synced(LaunchOptions options, const std::string& script, Collector& out) {
+  SyncDir sync;
+  options.extra_env.push_back(sync.env());
+  const LaunchResult r = launch(options, sh(script), out.sink());
+  print_result(r);
+  return r;
+}
+
 TEST(Launcher, EveryRankSeesItsOwnEnvironment) {
-  LaunchOptions options;
-  options.nproc = 4;
+  LaunchOptions options = ranks(4);
   options.master_port = 29517;
   options.extra_env = {{"SHARDLAB_TEST", "hello"}};
   Collector out;
@@ -97,10 +113,8 @@ TEST(Launcher, EveryRankSeesItsOwnEnvironment) {
 }
 
 TEST(Launcher, PortZeroGivesEveryRankTheSameFreePort) {
-  LaunchOptions options;
-  options.nproc = 3;
   Collector out;
-  const LaunchResult r = launch(options, sh("echo $MASTER_PORT"), out.sink());
+  const LaunchResult r = launch(ranks(3), sh("echo $MASTER_PORT"), out.sink());
   ASSERT_EQ(r.exit_code, 0) << r.message;
   ASSERT_EQ(out.lines.size(), 3u);
   std::set<std::string> ports;
@@ -113,10 +127,8 @@ TEST(Launcher, PortZeroGivesEveryRankTheSameFreePort) {
 }
 
 TEST(Launcher, SplitsLinesMergesStderrAndFlushesPartialLastLine) {
-  LaunchOptions options;
-  options.nproc = 1;
   Collector out;
-  const LaunchResult r = launch(options, sh("echo one; echo two >&2; echo; printf 'no newline'"), out.sink());
+  const LaunchResult r = launch(ranks(1), sh("echo one; echo two >&2; echo; printf 'no newline'"), out.sink());
   EXPECT_EQ(r.exit_code, 0) << r.message;
   const std::vector<Line> expected = {{0, "one"}, {0, "two"}, {0, ""}, {0, "no newline"}};
   std::cout << "got " << out.lines.size() << " lines\n";
@@ -142,16 +154,11 @@ bool still_exists(int pid) {
 
 TEST(Launcher, FailingRankIsNamedAndTheOthersAreKilled) {
   // Ranks 0, 2, 3 print their pid, say they run, and block; rank 1 fails once all three run.
-  SyncDir sync;
-  LaunchOptions options;
-  options.nproc = 4;
-  options.extra_env = {sync.env()};
   Collector out;
-  const LaunchResult r = launch(options,
-                                sh("if [ \"$RANK\" = 1 ]; then " + wait_for_files({"0", "2", "3"}) +
-                                   "echo failing; exit 3; fi; echo $$; touch \"$SYNC/$RANK\"; exec " + kForever),
-                                out.sink());
-  print_result(r);
+  const LaunchResult r = launch_synced(ranks(4),
+                                       "if [ \"$RANK\" = 1 ]; then " + wait_for_files({"0", "2", "3"}) +
+                                           "echo failing; exit 3; fi; echo $$; touch \"$SYNC/$RANK\"; exec " + kForever,
+                                       out);
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_EQ(r.failed_rank, 1);
   EXPECT_EQ(r.message, "rank 1 exited with code 3");
@@ -163,16 +170,11 @@ TEST(Launcher, FailingRankIsNamedAndTheOthersAreKilled) {
 }
 
 TEST(Launcher, RankKilledBySignalIsNamed) {
-  SyncDir sync;
-  LaunchOptions options;
-  options.nproc = 2;
-  options.extra_env = {sync.env()};
   Collector out;
-  const LaunchResult r = launch(options,
-                                sh("if [ \"$RANK\" = 1 ]; then " + wait_for_files({"0"}) +
-                                   "kill -9 $$; fi; echo $$; touch \"$SYNC/0\"; exec " + kForever),
-                                out.sink());
-  print_result(r);
+  const LaunchResult r = launch_synced(ranks(2),
+                                       "if [ \"$RANK\" = 1 ]; then " + wait_for_files({"0"}) +
+                                           "kill -9 $$; fi; echo $$; touch \"$SYNC/0\"; exec " + kForever,
+                                       out);
   EXPECT_EQ(r.exit_code, 128 + 9);
   EXPECT_EQ(r.failed_rank, 1);
   EXPECT_EQ(r.message, "rank 1 killed by signal 9");
@@ -182,8 +184,7 @@ TEST(Launcher, RankKilledBySignalIsNamed) {
 }
 
 TEST(Launcher, TimeoutNamesEveryRankStillRunning) {
-  LaunchOptions options;
-  options.nproc = 3;
+  LaunchOptions options = ranks(3);
   options.timeout = std::chrono::milliseconds(500);
   Collector out;
   const LaunchResult r = launch(options, sh("echo $$; exec " + kForever), out.sink());
@@ -200,22 +201,18 @@ TEST(Launcher, TimeoutNamesTheLowestRankStillRunning) {
   // they ended), says so, and blocks. A timeout after that line names rank 2 alone. A timeout that came first (a
   // machine too loaded to start three shells in 2 s) may name 0 or 1 as well: then only what holds either way is
   // checked, and the test says so.
-  SyncDir sync;
-  LaunchOptions options;
-  options.nproc = 3;
+  LaunchOptions options = ranks(3);
   options.timeout = std::chrono::milliseconds(2000);
-  options.extra_env = {sync.env()};
   Collector out;
-  const LaunchResult r = launch(
+  const LaunchResult r = launch_synced(
       options,
-      sh("if [ \"$RANK\" != 2 ]; then echo $$ > \"$SYNC/$RANK.tmp\"; mv \"$SYNC/$RANK.tmp\" \"$SYNC/$RANK\"; exit 0; "
-         "fi; " +
-         wait_for_files({"0", "1"}) +
-         "for r in 0 1; do p=$(cat \"$SYNC/$r\"); while [ -e /proc/$p ]; do sleep 0.01; done; done; "
-         "echo 0 and 1 are gone; exec " +
-         kForever),
-      out.sink());
-  print_result(r);
+      "if [ \"$RANK\" != 2 ]; then echo $$ > \"$SYNC/$RANK.tmp\"; mv \"$SYNC/$RANK.tmp\" \"$SYNC/$RANK\"; exit 0; "
+      "fi; " +
+          wait_for_files({"0", "1"}) +
+          "for r in 0 1; do p=$(cat \"$SYNC/$r\"); while [ -e /proc/$p ]; do sleep 0.01; done; done; "
+          "echo 0 and 1 are gone; exec " +
+          kForever,
+      out);
   EXPECT_EQ(r.exit_code, 124);
   const bool ordered = std::count(out.lines.begin(), out.lines.end(), Line{2, "0 and 1 are gone"}) == 1;
   if (ordered) {
@@ -228,10 +225,8 @@ TEST(Launcher, TimeoutNamesTheLowestRankStillRunning) {
 }
 
 TEST(Launcher, UnknownProgramExits127WithMessage) {
-  LaunchOptions options;
-  options.nproc = 1;
   Collector out;
-  const LaunchResult r = launch(options, {"/nonexistent/shardlab-prog", "x"}, out.sink());
+  const LaunchResult r = launch(ranks(1), {"/nonexistent/shardlab-prog", "x"}, out.sink());
   print_result(r);
   EXPECT_EQ(r.exit_code, 127);
   EXPECT_EQ(r.failed_rank, 0);
@@ -242,17 +237,12 @@ TEST(Launcher, UnknownProgramExits127WithMessage) {
 
 #ifdef __linux__
 TEST(Launcher, NoGrandchildSurvivesAFailedLaunch) {
-  SyncDir sync;
-  LaunchOptions options;
-  options.nproc = 2;
-  options.extra_env = {sync.env()};
   Collector out;
   // Every rank starts a background sleep and prints its pid; rank 0 fails once rank 1 has printed its own.
-  const LaunchResult r = launch(options,
-                                sh(kForever + " & echo $!; if [ \"$RANK\" = 0 ]; then " + wait_for_files({"1"}) +
-                                   "exit 1; fi; touch \"$SYNC/1\"; wait"),
-                                out.sink());
-  print_result(r);
+  const LaunchResult r = launch_synced(ranks(2),
+                                       kForever + " & echo $!; if [ \"$RANK\" = 0 ]; then " + wait_for_files({"1"}) +
+                                           "exit 1; fi; touch \"$SYNC/1\"; wait",
+                                       out);
   EXPECT_EQ(r.failed_rank, 0);
   ASSERT_EQ(out.lines.size(), 2u);
   for (const auto& [rank, line] : out.lines) {
@@ -265,14 +255,12 @@ TEST(Launcher, NoGrandchildSurvivesAFailedLaunch) {
 #endif
 
 TEST(Launcher, ExceptionFromSinkKillsEveryRank) {
-  LaunchOptions options;
-  options.nproc = 2;
   std::vector<int> pids;
   const LineSink throwing = [&pids](int, const std::string& line) {
     pids.push_back(std::stoi(line));
     throw std::runtime_error("sink failed");
   };
-  EXPECT_THROW(launch(options, sh("echo $$; exec " + kForever), throwing), std::runtime_error);
+  EXPECT_THROW(launch(ranks(2), sh("echo $$; exec " + kForever), throwing), std::runtime_error);
   ASSERT_EQ(pids.size(), 1u);
   EXPECT_FALSE(still_exists(pids[0])) << "rank process " << pids[0];
 }

@@ -50,6 +50,21 @@ void expect_matches_reference(int world, const TrainConfig& c, const GroupOption
                                    c.micro_batches);
 }
 
+// On 2 ranks over `group`, NaiveDDP over the mlp of seed 7: `body(comm, model, ddp, data, params)`, with the mlp
+// data of that seed and the model's trainable parameters.
+template <typename Body>
+void on_two_mlp_ranks(Body body, const GroupOptions& group = test_group()) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto model = make_model("mlp", 7);
+        NaiveDDP ddp(model, comm);
+        auto data = make_dataset("mlp", 7);
+        body(comm, *model, ddp, *data, trainable_parameters(*model));
+      },
+      group);
+}
+
 struct EquivalenceCase {
   std::string model, optimizer;
   int world, micro;
@@ -304,35 +319,27 @@ TEST(NaiveDDP, TheForwardAfterABackwardThatThrewSettlesTheAllReducesItLaunched) 
   // [rank][parameter]: own gradients of the aborted and of the next backward, and .grad() after each
   std::vector<std::vector<at::Tensor>> own_aborted(2), own_next(2), settled(2), next(2);
   std::vector<size_t> launched(2), waits(2);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model("mlp", 7);
-        NaiveDDP ddp(model, comm);
-        auto data = make_dataset("mlp", 7);
-        const auto params = trainable_parameters(*model);
+  on_two_mlp_ranks(
+      [&](Communicator& comm, Model& model, NaiveDDP& ddp, const Dataset& data, const std::vector<at::Tensor>& params) {
         if (comm.rank() == 0)
-          for (const auto& item : model->named_parameters()) names.push_back(item.key());
-        const Batch aborted = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
-        const Batch after = rank_slice(data->global_batch(1, 8), comm.rank(), 2);
-        own_aborted[comm.rank()] = test_support::local_gradients(*model, aborted, params);
-        own_next[comm.rank()] = test_support::local_gradients(*model, after, params);
+          for (const auto& item : model.named_parameters()) names.push_back(item.key());
         // The first layer's weight is the last gradient backward reaches: the hook on it throws before it is
         // accumulated, after the later layers' gradients were (and their all-reduces launched).
-        const size_t mark = comm.recorder().size();
-        EXPECT_TRUE(test_support::backward_cut_short_at(params.front(), [&] { ddp.loss(aborted).backward(); }));
-        launched[comm.rank()] = comm.recorder().size() - mark;
+        const auto cut = test_support::cut_short_backward(comm, model, ddp, data, params);
+        EXPECT_TRUE(cut.threw);
+        own_aborted[comm.rank()] = cut.own_aborted;
+        own_next[comm.rank()] = cut.own_next;
+        launched[comm.rank()] = cut.launched;
         const size_t waits_before = comm.recorder().waits().size();
-        ddp.loss(after);  // the forward settles; its graph is dropped
+        ddp.loss(cut.next);  // the forward settles; its graph is dropped
         waits[comm.rank()] = comm.recorder().waits().size() - waits_before;
         for (const auto& p : params)
           settled[comm.rank()].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
         for (const auto& p : params)
           if (p.grad().defined()) p.mutable_grad().zero_();  // the optimizer's zero_grad before the next step
-        ddp.loss(after).backward();
+        ddp.loss(cut.next).backward();
         for (const auto& p : params) next[comm.rank()].push_back(p.grad().clone());
-      },
-      test_group());
+      });
   size_t reduced = 0;
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(waits[r], 1u) << "rank " << r << ": the forward waits once for what the aborted backward launched";
@@ -426,15 +433,10 @@ TEST(NaiveDDP, EveryHookReturnsBeforeItsAllReduceCanComplete) {
   size_t total = 0, ready = 0, ready_when_rank1_gave_up = 0;
   bool all_ready = false, gave_up = false;
   std::vector<std::vector<at::Tensor>> own(2), got(2);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model("mlp", 7);
-        NaiveDDP ddp(model, comm);
-        auto data = make_dataset("mlp", 7);
-        const auto params = trainable_parameters(*model);
-        const Batch batch = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
-        own[comm.rank()] = test_support::local_gradients(*model, batch, params);
+  on_two_mlp_ranks(
+      [&](Communicator& comm, Model& model, NaiveDDP& ddp, const Dataset& data, const std::vector<at::Tensor>& params) {
+        const Batch batch = rank_slice(data.global_batch(0, 8), comm.rank(), 2);
+        own[comm.rank()] = test_support::local_gradients(model, batch, params);
         if (comm.rank() == 0) {
           {
             std::lock_guard<std::mutex> lock(mu);
@@ -461,8 +463,7 @@ TEST(NaiveDDP, EveryHookReturnsBeforeItsAllReduceCanComplete) {
           ddp.loss(batch).backward();
         }
         for (const auto& p : params) got[comm.rank()].push_back(p.grad().clone());
-      },
-      test_group());
+      });
   std::cout << "rank 0 returned from " << (gave_up ? ready_when_rank1_gave_up : total) << " of " << total
             << " hooks before rank 1 started its backward\n";
   EXPECT_FALSE(gave_up) << "rank 0's backward got through " << ready_when_rank1_gave_up << " of " << total
@@ -489,18 +490,13 @@ TEST(NaiveDDP, AFailedAverageIsAnErrorFromBackwardAndEveryOtherAverageIsStillWai
   };
   std::vector<std::string> errors(2), next_errors(2);
   std::vector<std::vector<at::Tensor>> own(2), own_next(2), got(2), got_next(2);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model("mlp", 7);
-        NaiveDDP ddp(model, comm);
-        auto data = make_dataset("mlp", 7);
-        const auto params = trainable_parameters(*model);
+  on_two_mlp_ranks(
+      [&](Communicator& comm, Model& model, NaiveDDP& ddp, const Dataset& data, const std::vector<at::Tensor>& params) {
         const int r = comm.rank();
-        const Batch batch = rank_slice(data->global_batch(0, 8), r, 2);
-        const Batch next = rank_slice(data->global_batch(1, 8), r, 2);
-        own[r] = test_support::local_gradients(*model, batch, params);
-        own_next[r] = test_support::local_gradients(*model, next, params);
+        const Batch batch = rank_slice(data.global_batch(0, 8), r, 2);
+        const Batch next = rank_slice(data.global_batch(1, 8), r, 2);
+        own[r] = test_support::local_gradients(model, batch, params);
+        own_next[r] = test_support::local_gradients(model, next, params);
         try {
           ddp.loss(batch).backward();
         } catch (const std::exception& e) {

@@ -90,17 +90,15 @@ TEST(BucketedDDP, TheForwardAfterABackwardThatThrewSettlesTheBucketsItLaunched) 
         BucketedDDP ddp(model, comm, options);
         auto data = make_dataset("mlp", 13);
         const auto params = trainable_parameters(*model);
-        const Batch aborted = rank_slice(data->global_batch(0, 8), comm.rank(), 2);
-        const Batch after = rank_slice(data->global_batch(1, 8), comm.rank(), 2);
-        own_aborted[comm.rank()] = test_support::local_gradients(*model, aborted, params);
-        own_next[comm.rank()] = test_support::local_gradients(*model, after, params);
         // fc0.weight is the last gradient backward reaches: throw there, after the later layers' buckets launched.
-        const size_t mark = comm.recorder().size();
-        EXPECT_TRUE(test_support::backward_cut_short_at(params.front(), [&] { ddp.loss(aborted).backward(); }));
-        launched[comm.rank()] = comm.recorder().size() - mark;
-        at::Tensor loss = ddp.loss(after);  // settles the aborted backward first
+        const auto cut = test_support::cut_short_backward(comm, *model, ddp, *data, params);
+        EXPECT_TRUE(cut.threw);
+        own_aborted[comm.rank()] = cut.own_aborted;
+        own_next[comm.rank()] = cut.own_next;
+        launched[comm.rank()] = cut.launched;
+        at::Tensor loss = ddp.loss(cut.next);  // settles the aborted backward first
         size_t done = 0;
-        for (const auto& r : comm.recorder().since(mark)) done += r.end_ns != 0 ? 1 : 0;
+        for (const auto& r : comm.recorder().since(cut.mark)) done += r.end_ns != 0 ? 1 : 0;
         completed[comm.rank()] = done;
         for (const auto& p : params) settled[comm.rank()].push_back(p.grad().clone());
         for (const auto& p : params) p.grad().zero_();  // the optimizer's zero_grad, once nothing writes there

@@ -7,6 +7,7 @@
 #include "shardlab/core/compat.h"
 #include "support/delayed_backend.h"
 #include "support/group.h"
+#include "support/rank_zero_first.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -69,6 +70,13 @@ double check_results(const Results& res, int rank, int world, const std::vector<
     EXPECT_TRUE(at::equal(res.got[i], want)) << "rank " << rank << " input " << i << " differs by " << diff;
   }
   return max_diff;
+}
+
+// check_results on 2 ranks; rank 0 then prints "`what`; max |chunk - exact sum| = " and the largest difference.
+void check_and_report(const Results& res, Communicator& comm, const std::vector<int64_t>& shards,
+                      const std::string& what, const std::vector<c10::ScalarType>& dtypes = {}) {
+  const double diff = check_results(res, comm.rank(), 2, shards, dtypes);
+  if (comm.rank() == 0) std::cout << what << "; max |chunk - exact sum| = " << diff << "\n";
 }
 
 TEST(Bucketer, SmallInputsShareOneCollectiveAfterFlush) {
@@ -154,8 +162,7 @@ TEST(Bucketer, LargeInputIsSentAtOnce) {
         ASSERT_EQ(recs.size(), 2u);
         EXPECT_EQ(recs[1].numel, 2 * (6 + 4));
         EXPECT_EQ(res.order, (std::vector<int>{1, 0, 2})) << "launch order: the large input went first";
-        const double diff = check_results(res, comm.rank(), 2, shards);
-        if (comm.rank() == 0) std::cout << "large input sent at once; max |chunk - exact sum| = " << diff << "\n";
+        check_and_report(res, comm, shards, "large input sent at once");
       },
       test_group());
 }
@@ -180,8 +187,7 @@ TEST(Bucketer, DtypesGetSeparateBuckets) {
         EXPECT_EQ(recs[1].dtype, at::kDouble);
         EXPECT_EQ(recs[1].numel, 2 * (5 + 2));
         EXPECT_EQ(res.order, (std::vector<int>{0, 2, 1, 3})) << "bucket by bucket, submission order within";
-        const double diff = check_results(res, comm.rank(), 2, shards, dtypes);
-        if (comm.rank() == 0) std::cout << "f32 + f64 -> 2 collectives; max |chunk - exact sum| = " << diff << "\n";
+        check_and_report(res, comm, shards, "f32 + f64 -> 2 collectives", dtypes);
       },
       test_group());
 }
@@ -212,7 +218,6 @@ TEST(Bucketer, AFullBucketIsLaunchedWithoutWaitingAndBuffersAreReused) {
           ASSERT_EQ(recs.size(), 2u);
           EXPECT_EQ(recs[1].numel, 2 * (5 + 3));
           EXPECT_EQ(res.order, (std::vector<int>{0, 1, 2}));
-          const double diff = check_results(res, comm.rank(), 2, shards);
           const int64_t bytes = bucketer.allocated_bytes();
           if (round == 0) {
             // Two buffers of (2 rows + 1 output) * 8 floats: the one in flight and the one that replaced it.
@@ -221,9 +226,9 @@ TEST(Bucketer, AFullBucketIsLaunchedWithoutWaitingAndBuffersAreReused) {
           } else {
             EXPECT_EQ(bytes, first_round_bytes) << "the second round reuses the buffers";
           }
-          if (comm.rank() == 0)
-            std::cout << "round " << round << ": bucket filled -> launched early; " << bytes
-                      << " bytes of buffers; max |chunk - exact sum| = " << diff << "\n";
+          check_and_report(res, comm, shards,
+                           "round " + std::to_string(round) + ": bucket filled -> launched early; " +
+                               std::to_string(bytes) + " bytes of buffers");
         }
       },
       test_group());
@@ -344,18 +349,12 @@ TEST(Bucketer, LaunchingABucketOrALargeInputNeverWaits) {
           bucketer.reduce_scatter_async(input_of(comm.rank(), 2, 2, shards[2]), comm, res.slot(2));
           EXPECT_EQ(comm.recorder().size(), mark + 2) << "the large input is launched at once";
         };
-        if (comm.rank() == 0) {
-          calls();
-          returned = true;
-        } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-          while (!returned && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          EXPECT_TRUE(returned) << "rank 0's reduce_scatter_async calls (a bucket launched, a large input launched) "
-                                   "had not returned 30 s later, while rank 1 had issued nothing: launching must not "
-                                   "wait for the collective; only flush() waits";
-          calls();
-        }
+        test_support::rank_zero_first(
+            comm, returned,
+            "rank 0's reduce_scatter_async calls (a bucket launched, a large input launched) "
+            "had not returned 30 s later, while rank 1 had issued nothing: launching must not "
+            "wait for the collective; only flush() waits",
+            calls);
         EXPECT_TRUE(res.order.empty()) << "callbacks run in flush() only";
         bucketer.flush();
         EXPECT_EQ(res.order, (std::vector<int>{0, 2, 1})) << "launch order: the full bucket, the large input, the rest";

@@ -202,6 +202,17 @@ at::Tensor order_tolerance(const std::vector<at::Tensor>& grads, c10::ScalarType
   return ulp_of(mag, prec) * static_cast<double>(grads.size() - 1) / post;
 }
 
+// What a hook divides by before and after the sum, and whether its backend sums the hook's dtype natively.
+struct HookFactors {
+  bool native = true;
+  double pre = 1, post = 1;
+};
+
+// `hook`'s factors, and whether `comm` reduces `prec` natively.
+HookFactors factors_of(const CommHook& hook, Communicator& comm, c10::ScalarType prec) {
+  return {comm.reduces_natively(prec), hook.state->gradient_predivide_factor, hook.state->gradient_postdivide_factor};
+}
+
 // A reducer that records every bucket it is given (this rank's g_r) and what the hook left in it.
 struct Capture {
   std::vector<at::Tensor> inputs, results;
@@ -222,7 +233,9 @@ struct LowCase {
   int world;
 };
 
-void PrintTo(const LowCase& c, std::ostream* os) { *os << c.hook << "_" << c.model << "_w" << c.world; }
+std::ostream& operator<<(std::ostream& os, const LowCase& c) {
+  return os << c.hook << "_" << c.model << "_w" << c.world;
+}
 
 class LowPrecisionExact : public ::testing::TestWithParam<LowCase> {};
 
@@ -233,18 +246,13 @@ TEST_P(LowPrecisionExact, EveryBucketIsTheCastAverage) {
   const c10::ScalarType prec = hook_dtype(lc.hook);
   TrainConfig c = config_for({lc.model, "sgd", lc.world, 1});
   c.steps = 3;
+  HookFactors f;  // rank 0's
   std::vector<Capture> caps(lc.world);
-  bool native = true;
-  double pre = 1, post = 1;
   run_ranks(
       lc.world,
       [&](Communicator& comm) {
         CommHook hook = make_hook(lc.hook, comm);
-        if (comm.rank() == 0) {
-          native = comm.reduces_natively(prec);
-          pre = hook.state->gradient_predivide_factor;
-          post = hook.state->gradient_postdivide_factor;
-        }
+        if (comm.rank() == 0) f = factors_of(hook, comm, prec);
         Options options;
         options.caps = {2048, 8192};
         options.reducer = capturing(hook, caps[comm.rank()]);
@@ -260,8 +268,8 @@ TEST_P(LowPrecisionExact, EveryBucketIsTheCastAverage) {
       ASSERT_EQ(caps[r].inputs.size(), calls) << "rank " << r;
       grads.push_back(caps[r].inputs[k]);
     }
-    const at::Tensor expected = expected_low_precision(grads, prec, pre, post, native);
-    const at::Tensor tol = order_tolerance(grads, prec, pre, post);
+    const at::Tensor expected = expected_low_precision(grads, prec, f.pre, f.post, f.native);
+    const at::Tensor tol = order_tolerance(grads, prec, f.pre, f.post);
     for (int r = 0; r < lc.world; ++r) {
       const at::Tensor got = caps[r].results[k];
       ASSERT_TRUE(got.defined());
@@ -276,7 +284,7 @@ TEST_P(LowPrecisionExact, EveryBucketIsTheCastAverage) {
         EXPECT_TRUE(err.le(tol).all().item<bool>()) << "bucket call " << k << " rank " << r;
     }
   }
-  std::cout << lc.hook << " " << lc.model << " world " << lc.world << " (" << (native ? "native" : "f32 fallback")
+  std::cout << lc.hook << " " << lc.model << " world " << lc.world << " (" << (f.native ? "native" : "f32 fallback")
             << "): " << calls << " bucket reductions, max |hook - cast reference| = " << max_diff << " (" << max_ulps
             << " ulp of " << c10::toString(prec) << ")\n";
 }
@@ -285,9 +293,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, LowPrecisionExact,
                          ::testing::Values(LowCase{"fp16", "mlp", 2}, LowCase{"bf16", "mlp", 2},
                                            LowCase{"fp16", "tiny_gpt", 2}, LowCase{"bf16", "tiny_gpt", 2},
                                            LowCase{"fp16", "mlp", 4}, LowCase{"bf16", "mlp", 4}),
-                         [](const auto& info) {
-                           return info.param.hook + "_" + info.param.model + "_w" + std::to_string(info.param.world);
-                         });
+                         test_support::StreamedName());
 
 // ---------------------------------------------------------------------------------------------------------------
 // 3b. Low-precision training stays close to the fp32 single-device reference
@@ -317,9 +323,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, LowPrecisionTraining,
                          ::testing::Values(LowCase{"fp16", "mlp", 2}, LowCase{"bf16", "mlp", 2},
                                            LowCase{"fp16", "tiny_gpt", 2}, LowCase{"bf16", "tiny_gpt", 2},
                                            LowCase{"fp16", "mlp", 3}, LowCase{"bf16", "tiny_gpt", 4}),
-                         [](const auto& info) {
-                           return info.param.hook + "_" + info.param.model + "_w" + std::to_string(info.param.world);
-                         });
+                         test_support::StreamedName());
 
 // ---------------------------------------------------------------------------------------------------------------
 // 4. Bytes on the wire
@@ -390,7 +394,7 @@ struct ShardCase {
   int world;
 };
 
-void PrintTo(const ShardCase& c, std::ostream* os) { *os << c.hook << "_w" << c.world; }
+std::ostream& operator<<(std::ostream& os, const ShardCase& c) { return os << c.hook << "_w" << c.world; }
 
 class ReduceScatterForm : public ::testing::TestWithParam<ShardCase> {};
 
@@ -401,17 +405,12 @@ TEST_P(ReduceScatterForm, OutputIsThisRanksChunkOfTheAverage) {
   std::vector<at::Tensor> grads;
   for (int r = 0; r < sc.world; ++r) grads.push_back(rank_grad(r, numel, 7));
   std::vector<at::Tensor> outputs(sc.world);
-  bool native = true;
-  double pre = 1, post = 1;
+  HookFactors f;  // rank 0's
   run_ranks(
       sc.world,
       [&](Communicator& comm) {
         CommHook hook = make_hook(sc.hook, comm);
-        if (comm.rank() == 0) {
-          pre = hook.state->gradient_predivide_factor;
-          post = hook.state->gradient_postdivide_factor;
-          native = comm.reduces_natively(prec);
-        }
+        if (comm.rank() == 0) f = factors_of(hook, comm, prec);
         at::Tensor grad = grads[comm.rank()].clone();
         at::Tensor out = at::full({shard}, -1.0f);
         const size_t mark = comm.recorder().size();
@@ -434,8 +433,8 @@ TEST_P(ReduceScatterForm, OutputIsThisRanksChunkOfTheAverage) {
     expected = sum / sc.world;
     tol = expected.abs() * 1e-6 + 1e-8;
   } else {
-    expected = expected_low_precision(grads, prec, pre, post, native);
-    tol = sc.world == 2 ? at::zeros({numel}, at::kDouble) : order_tolerance(grads, prec, pre, post);
+    expected = expected_low_precision(grads, prec, f.pre, f.post, f.native);
+    tol = sc.world == 2 ? at::zeros({numel}, at::kDouble) : order_tolerance(grads, prec, f.pre, f.post);
   }
   double max_diff = 0;
   for (int r = 0; r < sc.world; ++r) {
@@ -454,7 +453,7 @@ INSTANTIATE_TEST_SUITE_P(Stage03, ReduceScatterForm,
                          ::testing::Values(ShardCase{"reduce_scatter", 2}, ShardCase{"reduce_scatter", 3},
                                            ShardCase{"reduce_scatter", 4}, ShardCase{"fp16", 2}, ShardCase{"bf16", 2},
                                            ShardCase{"fp16", 4}, ShardCase{"bf16", 3}),
-                         [](const auto& info) { return info.param.hook + "_w" + std::to_string(info.param.world); });
+                         test_support::StreamedName());
 
 // The all-reduce form of the low-precision hooks outside DDP, on a double gradient: the result is cast back to
 // the gradient's own dtype, whatever it is.

@@ -13,6 +13,7 @@
 #include "support/gradients.h"
 #include "support/group.h"
 #include "support/param_name.h"
+#include "support/rank_zero_first.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 
@@ -21,10 +22,8 @@
 #include <torch/optim/lbfgs.h>
 
 #include <atomic>
-#include <chrono>
 #include <iostream>
 #include <set>
-#include <thread>
 
 namespace shardlab::comm_hooks {
 namespace {
@@ -134,6 +133,32 @@ INSTANTIATE_TEST_SUITE_P(Stage03, OptimizerOverlap,
                                            OverlapCase{"mlp", "sgd", "fp16", 2, 1}),
                          test_support::StreamedName());
 
+// One rank's BucketedDDP over model `name` of seed `seed` with bucket caps `caps`, every bucket averaged and then
+// stepped at once by SGD at lr 0.05 over its parameters (hook_then_optimizer), and the dataset of that seed.
+struct SgdInBackward {
+  SgdInBackward(Communicator& comm, const std::string& name, uint64_t seed, const bucketed_ddp::BucketCaps& caps)
+      : model(make_model(name, seed)),
+        params(trainable_parameters(*model)),
+        overlapped(std::make_shared<OverlappedOptimizer>(
+            params, [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.05); })),
+        ddp(model, comm, options(caps, overlapped)),
+        data(make_dataset(name, seed)) {}
+
+  // BucketedDDP's options with `caps`, each bucket stepped by `overlapped` once averaged.
+  static Options options(const bucketed_ddp::BucketCaps& caps, std::shared_ptr<OverlappedOptimizer> overlapped) {
+    Options out;
+    out.caps = caps;
+    out.reducer = hook_then_optimizer(nullptr, std::move(overlapped));
+    return out;
+  }
+
+  std::shared_ptr<Model> model;
+  std::vector<at::Tensor> params;
+  std::shared_ptr<OverlappedOptimizer> overlapped;
+  BucketedDDP ddp;
+  std::unique_ptr<Dataset> data;
+};
+
 // Order: per synchronized backward one step per bucket, in bucket order, each stepping exactly its bucket's
 // parameters and starting after that bucket's all-reduce completed (the record's end is stamped before the
 // continuation runs).
@@ -141,35 +166,27 @@ TEST(OptimizerOverlapOrder, EachBucketIsSteppedAfterItsReductionInBucketOrder) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = make_model("tiny_gpt", 8);
-        const auto params = trainable_parameters(*model);
-        auto overlapped = std::make_shared<OverlappedOptimizer>(
-            params, [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.05); });
-        Options options;
-        options.caps = {2048, 8192};
-        options.reducer = hook_then_optimizer(nullptr, overlapped);
-        BucketedDDP ddp(model, comm, options);
-        auto data = make_dataset("tiny_gpt", 8);
+        SgdInBackward o(comm, "tiny_gpt", 8, {2048, 8192});
         for (int step = 0; step < 3; ++step) {
-          overlapped->zero_grad();
-          const size_t logged = overlapped->log().size();
-          at::Tensor loss = ddp.loss(rank_slice(data->global_batch(step, 8), comm.rank(), 2));
+          o.overlapped->zero_grad();
+          const size_t logged = o.overlapped->log().size();
+          at::Tensor loss = o.ddp.loss(rank_slice(o.data->global_batch(step, 8), comm.rank(), 2));
           const size_t mark = comm.recorder().size();
           loss.backward();
           const auto recs = comm.recorder().since(mark);
-          const auto& buckets = ddp.buckets();
+          const auto& buckets = o.ddp.buckets();
           ASSERT_EQ(recs.size(), buckets.size());
-          ASSERT_EQ(overlapped->log().size() - logged, buckets.size()) << "step " << step;
+          ASSERT_EQ(o.overlapped->log().size() - logged, buckets.size()) << "step " << step;
           for (size_t b = 0; b < buckets.size(); ++b) {
             EXPECT_EQ(recs[b].op + " " + recs[b].reduce, "all_reduce avg")
                 << "bucket " << b << ": without a reducer, hook_then_optimizer averages the bucket as BucketedDDP "
                 << "does (all_reduce with AVG)";
-            const auto& entry = overlapped->log()[logged + b];
+            const auto& entry = o.overlapped->log()[logged + b];
             EXPECT_EQ(std::set<size_t>(entry.params.begin(), entry.params.end()),
                       std::set<size_t>(buckets[b].params.begin(), buckets[b].params.end()))
                 << "step " << step << ": the " << b << "th optimizer step is bucket " << b << "'s";
             EXPECT_GE(entry.start_ns, recs[b].end_ns) << "bucket " << b << " stepped before its reduction landed";
-            if (b > 0) EXPECT_GE(entry.start_ns, overlapped->log()[logged + b - 1].end_ns) << "bucket order";
+            if (b > 0) EXPECT_GE(entry.start_ns, o.overlapped->log()[logged + b - 1].end_ns) << "bucket order";
           }
           if (comm.rank() == 0)
             std::cout << "step " << step << ": " << buckets.size() << " buckets, each stepped after its all-reduce, "
@@ -185,54 +202,46 @@ TEST(OptimizerOverlapOrder, NothingIsSteppedWhenBackwardFailsOrIsCutShort) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = make_model("edge", 14);
-        const auto params = trainable_parameters(*model);
-        auto overlapped = std::make_shared<OverlappedOptimizer>(
-            params, [](std::vector<at::Tensor> p) { return make_optimizer("sgd", std::move(p), 0.05); });
-        Options options;
-        options.caps = {64, 128};
-        options.reducer = hook_then_optimizer(nullptr, overlapped);
-        BucketedDDP ddp(model, comm, options);
-        auto data = make_dataset("edge", 14);
+        SgdInBackward o(comm, "edge", 14, {64, 128});
         auto snapshot = [&] {
           std::vector<at::Tensor> out;
-          for (const auto& p : params) out.push_back(p.detach().clone());
+          for (const auto& p : o.params) out.push_back(p.detach().clone());
           return out;
         };
         auto unchanged = [&](const std::vector<at::Tensor>& before) {
-          for (size_t i = 0; i < params.size(); ++i)
-            if (!at::equal(params[i], before[i])) return false;
+          for (size_t i = 0; i < o.params.size(); ++i)
+            if (!at::equal(o.params[i], before[i])) return false;
           return true;
         };
         // Step 0 (even): complete, every bucket stepped.
-        overlapped->zero_grad();
-        ddp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2)).backward();
-        const size_t after_complete = overlapped->log().size();
+        o.overlapped->zero_grad();
+        o.ddp.loss(rank_slice(o.data->global_batch(0, 8), comm.rank(), 2)).backward();
+        const size_t after_complete = o.overlapped->log().size();
         EXPECT_GT(after_complete, 0u);
         // Step 1 (odd): `sometimes` gets no gradient, backward throws; nothing may move.
         std::vector<at::Tensor> before = snapshot();
-        overlapped->zero_grad();
-        EXPECT_THROW(ddp.loss(rank_slice(data->global_batch(1, 8), comm.rank(), 2)).backward(), std::runtime_error);
-        EXPECT_EQ(overlapped->log().size(), after_complete) << "a failed backward stepped a bucket";
+        o.overlapped->zero_grad();
+        EXPECT_THROW(o.ddp.loss(rank_slice(o.data->global_batch(1, 8), comm.rank(), 2)).backward(), std::runtime_error);
+        EXPECT_EQ(o.overlapped->log().size(), after_complete) << "a failed backward stepped a bucket";
         EXPECT_TRUE(unchanged(before)) << "a failed backward changed parameters";
         // Step 2 (even), cut short by an exception in backward: the next forward settles it without stepping.
         // Cut at trunk.weight, the last gradient backward reaches, so that buckets are in flight when it throws.
-        ASSERT_EQ(ddp.parameter_names()[1], "trunk.weight");
-        overlapped->zero_grad();
+        ASSERT_EQ(o.ddp.parameter_names()[1], "trunk.weight");
+        o.overlapped->zero_grad();
         const size_t mark = comm.recorder().size();
         EXPECT_TRUE(test_support::backward_cut_short_at(
-            params[1], [&] { ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2)).backward(); }));
+            o.params[1], [&] { o.ddp.loss(rank_slice(o.data->global_batch(2, 8), comm.rank(), 2)).backward(); }));
         EXPECT_GT(comm.recorder().size(), mark) << "the test needs buckets in flight when backward throws";
-        at::Tensor loss = ddp.loss(rank_slice(data->global_batch(2, 8), comm.rank(), 2));  // settles
-        EXPECT_EQ(overlapped->log().size(), after_complete) << "a backward cut short stepped a bucket";
+        at::Tensor loss = o.ddp.loss(rank_slice(o.data->global_batch(2, 8), comm.rank(), 2));  // settles
+        EXPECT_EQ(o.overlapped->log().size(), after_complete) << "a backward cut short stepped a bucket";
         EXPECT_TRUE(unchanged(before)) << "a backward cut short changed parameters";
-        overlapped->zero_grad();
+        o.overlapped->zero_grad();
         loss.backward();
-        EXPECT_GT(overlapped->log().size(), after_complete) << "the next complete backward steps again";
+        EXPECT_GT(o.overlapped->log().size(), after_complete) << "the next complete backward steps again";
         EXPECT_FALSE(unchanged(before));
         if (comm.rank() == 0)
           std::cout << "complete backward: " << after_complete << " bucket steps; failed and cut-short backwards: 0; "
-                    << "next complete: " << overlapped->log().size() - after_complete << "\n";
+                    << "next complete: " << o.overlapped->log().size() - after_complete << "\n";
       },
       test_group());
 }
@@ -251,18 +260,11 @@ TEST(OptimizerOverlapOrder, TheReducerReturnsBeforeItsReductionLandsAndStepsNoth
         const bucketed_ddp::BucketReducer reducer = hook_then_optimizer(nullptr, overlapped);
         at::Tensor bucket = at::full({4}, comm.rank() + 1.0f);
         Handle h;
-        if (comm.rank() == 0) {
-          h = reducer(comm, bucket);
-          returned = true;
-        } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-          while (!returned && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          EXPECT_TRUE(returned) << "rank 0's call of the reducer had not returned 30 s later, while rank 1 had not "
-                                   "called its own: the reducer must start the reduction and return, the step "
-                                   "belongs in the handle's continuation";
-          h = reducer(comm, bucket);
-        }
+        test_support::rank_zero_first(comm, returned,
+                                      "rank 0's call of the reducer had not returned 30 s later, while rank 1 had not "
+                                      "called its own: the reducer must start the reduction and return, the step "
+                                      "belongs in the handle's continuation",
+                                      [&] { h = reducer(comm, bucket); });
         h.wait();
         EXPECT_TRUE(bucket.eq(1.5f).all().item<bool>()) << "the bucket's average: " << bucket;
         EXPECT_TRUE(overlapped->log().empty())

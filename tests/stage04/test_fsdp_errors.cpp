@@ -12,6 +12,7 @@
 #include "support/failing_backend.h"
 #include "support/gradients.h"
 #include "support/refusal.h"
+#include "support/spaced_batch.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -240,9 +241,8 @@ TEST(FullyShardedModel, AParameterSharedBetweenAUnitAndTheRootIsRejectedAndTheFi
       test_group());
 
   // The fix: the shared module in the root. Two ranks, one SGD step, against one device on the union batch.
-  Batch global;
-  global.input = at::linspace(-1.0, 1.0, 16).reshape({4, 4});
-  global.target = at::zeros({4}, at::kLong);            // unused by this loss; rank_slice slices it too
+  const Batch global =
+      test_support::spaced_batch(4, 4);  // the targets are unused by this loss; rank_slice slices them too
   auto sgd_step = [](std::vector<at::Tensor> params) {  // each tensor once: the reference lists the tied one twice
     torch::NoGradGuard no_grad;
     std::set<const c10::TensorImpl*> done;

@@ -8,6 +8,8 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/fsdp_case.h"
+#include "support/spaced_batch.h"
 #include "support/tolerance.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -212,9 +214,7 @@ TEST(FullyShardedModel, AUnitIsGatheredWhileItsForwardAndItsBackwardRun) {
     at::Tensor loss(const Batch& b) override { return probe(b.input).pow(2).mean(); }
     UnitRef<Probe> probe;
   };
-  Batch global;
-  global.input = at::linspace(-1.0, 1.0, 24).reshape({4, 6});
-  global.target = at::zeros({4}, at::kLong);
+  const Batch global = test_support::spaced_batch(4, 6);
   run_ranks(
       2,
       [&](Communicator& comm) {
@@ -246,20 +246,14 @@ TEST(FullyShardedModel, AUnitIsGatheredWhileItsForwardAndItsBackwardRun) {
 
 TEST(FullyShardedModel, EvaluationGathersAndFreesWithoutBackward) {
   TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model(c, at::kCPU);
-        Options options;
-        options.reshard_after_forward = false;
-        FullyShardedModel fsdp(model, comm, options);
-        auto data = make_dataset(c.model, c.seed);
-        torch::NoGradGuard no_grad;
-        const double loss = fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).item<double>();
-        EXPECT_GT(loss, 0);
-        for (const auto& unit : fsdp.units()) EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
-      },
-      test_group());
+  Options options;
+  options.reshard_after_forward = false;
+  test_support::fsdp_on_two_ranks(c, options, [&](Communicator&, FullyShardedModel& fsdp, const Batch& batch) {
+    torch::NoGradGuard no_grad;
+    const double loss = fsdp.loss(batch).item<double>();
+    EXPECT_GT(loss, 0);
+    for (const auto& unit : fsdp.units()) EXPECT_EQ(unit->gathered_bytes(), 0) << unit->name();
+  });
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "shardlab/course/reference.h"
 
 #include "support/mixed_precision.h"
+#include "support/spaced_batch.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
 
@@ -24,8 +25,7 @@
 namespace shardlab::fsdp {
 namespace {
 
-using test_support::on_cpu;
-using test_support::test_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 TEST(FullyShardedModel, MixedPrecisionGathersInBf16ReducesInF32AndKeepsF32Shards) {
   TrainConfig c = test_support::config("mlp").steps(3).global_batch(8).micro_batches(2);
@@ -79,9 +79,7 @@ TEST(FullyShardedModel, MixedPrecisionClampsAsFsdp2) {
     UnitRef<torch::nn::LinearImpl> fc;
     UnitRef<Counter> counter;
   };
-  Batch global;
-  global.input = at::linspace(-1.0, 1.0, 16).reshape({4, 4});
-  global.target = at::zeros({4}, at::kLong);
+  const Batch global = test_support::spaced_batch(4, 4);
   run_ranks(
       2,
       [&](Communicator& comm) {

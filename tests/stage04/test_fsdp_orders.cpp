@@ -27,16 +27,14 @@ TEST(FsdpOrders, ExpectedForwardOrderIsRegistrationRootFirstThenTheLastForwards)
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{2, 0, 3, 1});
-        FullyShardedModel fsdp(model, comm);
+        FullyShardedModel fsdp(std::make_shared<test_support::Chain>(std::vector<size_t>{2, 0, 3, 1}), comm);
         const size_t root = fsdp.root_index();
         ASSERT_EQ(root, 4u);
         const std::vector<size_t> before{root, 0, 1, 2, 3};
         EXPECT_EQ(fsdp.expected_forward_order(), before)
             << "before any forward: registration order, root first (" << joined(names_of(fsdp, before)) << "); got "
             << joined(names_of(fsdp, fsdp.expected_forward_order()));
-        auto data = make_dataset("mlp", 3);
-        fsdp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), comm.size())).backward();
+        fsdp.loss(test_support::chain_batch(0, comm)).backward();
         const std::vector<size_t> after{root, 2, 0, 3, 1};
         EXPECT_EQ(fsdp.expected_forward_order(), after)
             << "after a forward: the order it ran in (" << joined(names_of(fsdp, after)) << "); got "

@@ -7,10 +7,11 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/compressed.h"
+#include "support/gradients.h"
+#include "support/group.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
-
-#include "support/group.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -31,11 +32,10 @@ TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
   // unscaled gradient; a sum would be 3x (the bug FSDP2 has had on Gloo, PyTorch issue #162338).
   TrainConfig c = test_support::config("mlp").global_batch(4);
   auto reference = make_model(c, at::kCPU);
-  auto data = make_dataset(c.model, c.seed);
-  const Batch batch = data->global_batch(0, c.global_batch);
+  const Batch batch = make_dataset(c.model, c.seed)->global_batch(0, c.global_batch);
   reference->loss(batch).backward();
   std::vector<at::Tensor> expected;
-  for (const auto& p : reference->parameters()) expected.push_back(p.grad() * 1.5);
+  for (const auto& g : test_support::grad_copies(reference->parameters())) expected.push_back(g * 1.5);
   run_ranks(
       2,
       [&](Communicator& comm) {
@@ -68,13 +68,12 @@ TEST(FullyShardedModel, TheReductionIsAMeanNotASum) {
 TEST(FullyShardedModel, CompressedHooksReduceScatterInTheirDtypeAndTrainCloseToF32) {
   TrainConfig c = test_support::config("mlp").steps(3).global_batch(8);
   const ReferenceResult ref = train_reference(c);
-  for (const std::string hook : {"fp16", "bf16"}) {
-    const c10::ScalarType dtype = hook == "fp16" ? at::kHalf : at::kBFloat16;
+  for (const auto& [hook, dtype] : test_support::compressed_reductions()) {
     const c10::ScalarType wire = dtype == at::kBFloat16 && !compat::gloo_features().bfloat16 ? at::kFloat : dtype;
     std::vector<at::Tensor> finals;
     run_ranks(
         2,
-        [&](Communicator& comm) {
+        [&, &hook = hook, &dtype = dtype](Communicator& comm) {
           auto model = make_model(c, at::kCPU);
           Options options;
           options.reducer = hook_reducers(hook);
@@ -95,10 +94,7 @@ TEST(FullyShardedModel, CompressedHooksReduceScatterInTheirDtypeAndTrainCloseToF
           if (comm.rank() == 0) finals = full;
         },
         test_group());
-    const double diff = max_abs_diff(finals, ref.params);
-    std::cout << hook << " hook vs the f32 reference: max |param diff| = " << diff << "\n";
-    EXPECT_LT(diff, 2e-3) << hook;
-    EXPECT_GT(diff, 0) << hook << ": a half-size reduction cannot be bit-identical to f32";
+    test_support::expect_close_to_f32(finals, ref.params, hook, hook + " hook vs the f32 reference");
   }
 }
 

@@ -8,8 +8,10 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/fsdp_case.h"
 #include "support/group.h"
 #include "support/mixed_precision.h"
+#include "support/spaced_batch.h"
 #include "support/train_config.h"
 
 #include <ATen/ATen.h>
@@ -149,34 +151,28 @@ INSTANTIATE_TEST_SUITE_P(Stage04, Structure, ::testing::Values(true, false),
 
 TEST(FullyShardedModel, NoSyncAccumulatesAndReduceScattersOnlyOnTheLastMicroBatch) {
   TrainConfig c = test_support::config("tiny_gpt").global_batch(12);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model(c, at::kCPU);
-        FullyShardedModel fsdp(model, comm);
-        auto data = make_dataset(c.model, c.seed);
-        auto micro = micro_batches(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2), 3);
-        const size_t start = comm.recorder().size();
-        for (int i = 0; i < 2; ++i) {
-          auto scope = fsdp.no_sync();
-          EXPECT_FALSE(fsdp.sync_enabled());
-          fsdp.loss(micro[i]).backward();
-        }
-        const Phase accumulating = split(comm.recorder().since(start));
-        EXPECT_TRUE(accumulating.reduce_scatters.empty()) << "no reduce-scatter inside no_sync";
-        for (const auto& unit : fsdp.units())
-          for (const auto& fp : unit->params()) {
-            EXPECT_TRUE(fp.param.grad().defined()) << fp.name << ": the unsharded gradient accumulates";
-            EXPECT_FALSE(fp.sharded.grad().defined()) << fp.name;
-          }
-        const size_t last = comm.recorder().size();
-        fsdp.loss(micro[2]).backward();
-        const Phase synced = split(comm.recorder().since(last));
-        EXPECT_EQ(synced.reduce_scatters.size(), fsdp.units().size()) << "one reduce-scatter per unit, once";
-        for (const auto& unit : fsdp.units())
-          for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
-      },
-      test_group());
+  test_support::fsdp_on_two_ranks(c, {}, [&](Communicator& comm, FullyShardedModel& fsdp, const Batch& batch) {
+    auto micro = micro_batches(batch, 3);
+    const size_t start = comm.recorder().size();
+    for (int i = 0; i < 2; ++i) {
+      auto scope = fsdp.no_sync();
+      EXPECT_FALSE(fsdp.sync_enabled());
+      fsdp.loss(micro[i]).backward();
+    }
+    const Phase accumulating = split(comm.recorder().since(start));
+    EXPECT_TRUE(accumulating.reduce_scatters.empty()) << "no reduce-scatter inside no_sync";
+    for (const auto& unit : fsdp.units())
+      for (const auto& fp : unit->params()) {
+        EXPECT_TRUE(fp.param.grad().defined()) << fp.name << ": the unsharded gradient accumulates";
+        EXPECT_FALSE(fp.sharded.grad().defined()) << fp.name;
+      }
+    const size_t last = comm.recorder().size();
+    fsdp.loss(micro[2]).backward();
+    const Phase synced = split(comm.recorder().since(last));
+    EXPECT_EQ(synced.reduce_scatters.size(), fsdp.units().size()) << "one reduce-scatter per unit, once";
+    for (const auto& unit : fsdp.units())
+      for (const auto& fp : unit->params()) EXPECT_FALSE(fp.param.grad().defined()) << fp.name;
+  });
 }
 
 // Three units in a chain; the middle one has a parameter the loss reads only when `use_extra` is set. Without it the
@@ -207,13 +203,6 @@ struct Chain : Model {
   UnitRef<torch::nn::LinearImpl> last;
 };
 
-Batch chain_batch() {
-  Batch b;
-  b.input = at::linspace(-1.0, 1.0, 16).reshape({4, 4});
-  b.target = at::zeros({4}, at::kLong);
-  return b;
-}
-
 std::string joined(const std::vector<std::string>& names) {
   std::string out;
   for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
@@ -237,7 +226,7 @@ TEST(FullyShardedModel, ReduceScattersLaunchInReverseForwardOrderEvenWhenAUnitIs
           if (e.kind == UnitEventKind::kReduceLaunched) launched.push_back(fsdp.units()[e.unit]->name());
         });
         const size_t mark = comm.recorder().size();
-        fsdp.loss(rank_slice(chain_batch(), comm.rank(), comm.size())).backward();
+        fsdp.loss(rank_slice(test_support::spaced_batch(4, 4), comm.rank(), comm.size())).backward();
         fsdp.set_observer({});
         const std::vector<std::string> expected{"last", "middle", "first"};
         EXPECT_EQ(launched, expected)
@@ -251,33 +240,27 @@ TEST(FullyShardedModel, ReduceScattersLaunchInReverseForwardOrderEvenWhenAUnitIs
 
 TEST(FullyShardedModel, AtMostOneReduceScatterIsInFlight) {
   TrainConfig c = test_support::config("tiny_gpt").global_batch(4);
-  run_ranks(
-      2,
-      [&](Communicator& comm) {
-        auto model = make_model(c, at::kCPU);
-        FullyShardedModel fsdp(model, comm);
-        auto data = make_dataset(c.model, c.seed);
-        std::vector<std::string> in_flight;  // units whose reduction was launched and has not landed
-        size_t launches = 0;
-        fsdp.set_observer([&](const UnitEvent& e) {
-          const std::string& name = fsdp.units()[e.unit]->name();
-          if (e.kind == UnitEventKind::kReduceLaunched) {
-            EXPECT_TRUE(in_flight.empty()) << "rank " << comm.rank() << ": '" << name
-                                           << "' launched its reduce-scatter while " << joined(in_flight)
-                                           << " still in flight (launched, not waited for); wait for the "
-                                              "previous one first (Note [One reduce-scatter in flight])";
-            ++launches;
-          }
-          if (e.kind == UnitEventKind::kReduceLanded)
-            in_flight.erase(std::remove(in_flight.begin(), in_flight.end(), name), in_flight.end());
-          if (e.kind == UnitEventKind::kReduceLaunched) in_flight.push_back(name);
-        });
-        fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();
-        fsdp.set_observer({});
-        EXPECT_EQ(launches, fsdp.units().size());
-        EXPECT_TRUE(in_flight.empty()) << "every reduction waited for by the end of backward: " << joined(in_flight);
-      },
-      test_group());
+  test_support::fsdp_on_two_ranks(c, {}, [&](Communicator& comm, FullyShardedModel& fsdp, const Batch& batch) {
+    std::vector<std::string> in_flight;  // units whose reduction was launched and has not landed
+    size_t launches = 0;
+    fsdp.set_observer([&](const UnitEvent& e) {
+      const std::string& name = fsdp.units()[e.unit]->name();
+      if (e.kind == UnitEventKind::kReduceLaunched) {
+        EXPECT_TRUE(in_flight.empty()) << "rank " << comm.rank() << ": '" << name
+                                       << "' launched its reduce-scatter while " << joined(in_flight)
+                                       << " still in flight (launched, not waited for); wait for the "
+                                          "previous one first (Note [One reduce-scatter in flight])";
+        ++launches;
+      }
+      if (e.kind == UnitEventKind::kReduceLanded)
+        in_flight.erase(std::remove(in_flight.begin(), in_flight.end(), name), in_flight.end());
+      if (e.kind == UnitEventKind::kReduceLaunched) in_flight.push_back(name);
+    });
+    fsdp.loss(batch).backward();
+    fsdp.set_observer({});
+    EXPECT_EQ(launches, fsdp.units().size());
+    EXPECT_TRUE(in_flight.empty()) << "every reduction waited for by the end of backward: " << joined(in_flight);
+  });
 }
 
 // Inside no_sync with a reduce dtype wider than the param dtype, a unit's gradients move into reduce-dtype
@@ -292,7 +275,7 @@ TEST(FullyShardedModel, InsideNoSyncEveryUnitsGradientsAreStashedInTheReduceDtyp
         Options options = test_support::bf16_compute_f32_reduce();
         options.allow_unused_parameters = true;
         FullyShardedModel fsdp(model, comm, options);
-        const Batch batch = rank_slice(chain_batch(), comm.rank(), comm.size());
+        const Batch batch = rank_slice(test_support::spaced_batch(4, 4), comm.rank(), comm.size());
         {
           auto scope = fsdp.no_sync();
           fsdp.loss(batch).backward();

@@ -8,16 +8,15 @@
 #include "shardlab/core/storage/flat_storage.h"
 
 #include "support/group.h"
+#include "support/rank_zero_first.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
 #include <atomic>
-#include <chrono>
 #include <iostream>
 #include <limits>
-#include <thread>
 
 namespace shardlab::fsdp {
 namespace {
@@ -25,13 +24,22 @@ namespace {
 using test_support::test_group;
 
 // Uneven shapes (FSDP2's test shapes): dim 0 of 7 and 3 leaves padding at 2, 3 and 4 ranks, and an empty shard.
+// Its parameters are initialized from `seed` (init_parameters).
 struct TwoLayers : torch::nn::Module {
-  TwoLayers() {
+  explicit TwoLayers(uint64_t seed) {
     a = register_module("a", torch::nn::Linear(15, 7));
     b = register_module("b", torch::nn::Linear(7, 3));
+    init_parameters(*this, seed);
   }
   torch::nn::Linear a{nullptr}, b{nullptr};
 };
+
+// Detached copies of `m`'s parameters, in registration order: the values a unit must gather back.
+std::vector<at::Tensor> values_of(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
 
 std::vector<std::pair<std::string, at::Tensor>> named(torch::nn::Module& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -50,10 +58,8 @@ TEST_P(UnitWorlds, ShardsThenGathersEveryParameterBitForBitWithOneAllGather) {
   run_ranks(
       world,
       [&](Communicator& comm) {
-        TwoLayers m;
-        init_parameters(m, 3);
-        std::vector<at::Tensor> original;
-        for (const auto& p : m.parameters()) original.push_back(p.detach().clone());
+        TwoLayers m(3);
+        const std::vector<at::Tensor> original = values_of(m);
         MemoryMeter meter;
         FsdpUnit unit("two", named(m), comm, {}, rs_hook(comm), meter);
         const int r = comm.rank();
@@ -113,10 +119,8 @@ TEST_P(UnitWorlds, BeginUnshardOnlyIssuesAndTheGatheredBufferGetsItsBytesAtCopyO
   run_ranks(
       world,
       [&](Communicator& comm) {
-        TwoLayers m;
-        init_parameters(m, 6);
-        std::vector<at::Tensor> original;
-        for (const auto& p : m.parameters()) original.push_back(p.detach().clone());
+        TwoLayers m(6);
+        const std::vector<at::Tensor> original = values_of(m);
         BufferPool pool;
         MemoryMeter meter;
         FsdpUnit unit("two", named(m), comm, {}, rs_hook(comm), meter, &pool);
@@ -125,18 +129,12 @@ TEST_P(UnitWorlds, BeginUnshardOnlyIssuesAndTheGatheredBufferGetsItsBytesAtCopyO
         const int64_t lent = pool.stats().in_use_bytes;  // what the pool lends the sharded unit (nothing)
         // Rank 0 begins first, the others once its begin_unshard has returned (or after 30 s). An all-gather cannot
         // complete before every rank has issued it: a begin_unshard that waits for it returns only after that.
-        if (comm.rank() == 0) {
-          unit.begin_unshard();
-          rank0_issued = true;
-        } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-          while (!rank0_issued && std::chrono::steady_clock::now() < deadline)
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          EXPECT_TRUE(rank0_issued) << "rank 0's begin_unshard had not returned 30 s later, while rank " << comm.rank()
-                                    << " had not issued its all-gather yet: begin_unshard must only issue the "
-                                       "all-gather; finish_unshard waits for it";
-          unit.begin_unshard();
-        }
+        test_support::rank_zero_first(comm, rank0_issued,
+                                      "rank 0's begin_unshard had not returned 30 s later, while rank " +
+                                          std::to_string(comm.rank()) +
+                                          " had not issued its all-gather yet: begin_unshard must only issue the "
+                                          "all-gather; finish_unshard waits for it",
+                                      [&] { unit.begin_unshard(); });
         ASSERT_EQ(unit.state(), UnitState::kUnsharding);
         const int64_t all_gather = world * unit.sharded_bytes();  // S blocks of the padded shards, f32
         EXPECT_EQ(unit.gathered_bytes(), 0)
@@ -170,8 +168,7 @@ TEST_P(UnitWorlds, ReduceGradientsLeavesTheMeanOfTheRanksRowsInTheShardedGradien
   run_ranks(
       world,
       [&](Communicator& comm) {
-        TwoLayers m;
-        init_parameters(m, 4);
+        TwoLayers m(4);
         MemoryMeter meter;
         FsdpUnit unit("two", named(m), comm, {}, rs_hook(comm), meter);
         unit.unshard();
@@ -237,8 +234,7 @@ TEST(FsdpUnit, MissingGradientsCountAsZeroAndAreNamed) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        TwoLayers m;
-        init_parameters(m, 5);
+        TwoLayers m(5);
         MemoryMeter meter;
         FsdpUnit unit("two", named(m), comm, {}, rs_hook(comm), meter);
         const FsdpParam& weight = unit.params()[0];
@@ -261,8 +257,7 @@ TEST(FsdpUnit, AnUpdateOfTheShardedParametersIsWhatTheNextAllGatherSends) {
   run_ranks(
       world,
       [&](Communicator& comm) {
-        TwoLayers m;
-        init_parameters(m, 8);
+        TwoLayers m(8);
         std::vector<at::Tensor> original;
         for (auto& p : m.parameters()) {
           original.push_back(p.detach().clone());
@@ -323,8 +318,7 @@ TEST(FsdpUnit, TheReduceScatterInputIsPaddedWithZerosAndEachShardedGradientOwnsI
   run_ranks(
       world,
       [&](Communicator& comm) {
-        TwoLayers m;
-        init_parameters(m, 9);
+        TwoLayers m(9);
         BufferPool pool;
         MemoryMeter meter;
         auto capture = std::make_shared<CapturingReducer>(rs_hook(comm));

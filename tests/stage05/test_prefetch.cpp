@@ -43,11 +43,6 @@ Batch gpt_batch(const TrainConfig& c, int step, const Communicator& comm) {
   return rank_slice(data->global_batch(step, c.global_batch), comm.rank(), comm.size());
 }
 
-Batch chain_batch(int step, const Communicator& comm) {
-  auto data = make_dataset("mlp", 3);
-  return rank_slice(data->global_batch(step, 8), comm.rank(), comm.size());
-}
-
 // ---- Task 1: the backward order ----------------------------------------------------------------------------
 
 // A schedule that only writes down where backward met the units, and what backward_order said then (task 1 alone:
@@ -67,8 +62,7 @@ TEST(PrefetchOrders, BackwardOrderIsTheOrderThePreBackwardHooksFireInRootFirst) 
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{2, 0, 3, 1});
-        FullyShardedModel fsdp(model, comm);
+        FullyShardedModel fsdp(std::make_shared<test_support::Chain>(std::vector<size_t>{2, 0, 3, 1}), comm);
         auto spy = std::make_shared<Spy>();
         fsdp.set_schedule(spy);
         at::Tensor loss = fsdp.loss(chain_batch(0, comm));
@@ -115,8 +109,7 @@ TEST(PrefetchTargets, NextDepthUnitsOfThePointsOrderOrTheUnitsOwnList) {
   run_ranks(
       2,
       [&](Communicator& comm) {
-        auto model = std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3});
-        FullyShardedModel fsdp(model, comm);
+        FullyShardedModel fsdp(std::make_shared<test_support::Chain>(std::vector<size_t>{0, 1, 2, 3}), comm);
         const size_t root = fsdp.root_index();
         using V = std::vector<size_t>;
         PrefetchPolicy two;

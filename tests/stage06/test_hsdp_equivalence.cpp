@@ -11,6 +11,7 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "stage06/hsdp_support.h"
 #include "support/clipping.h"
 #include "support/group.h"
 #include "support/mixed_precision.h"
@@ -30,8 +31,7 @@ namespace shardlab::hsdp {
 namespace {
 
 using fsdp::FullyShardedModel;
-using test_support::on_cpu;
-using test_support::test_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 // This rank's shards (its real rows of every parameter), in units() order.
 std::vector<at::Tensor> shards(const FullyShardedModel& fsdp) {
@@ -276,11 +276,7 @@ TEST(HsdpFsdp, OneReplicaIsStage04BitForBit) {
 TEST(Parallelize, TheMeshShapeChoosesDdpFsdpOrHsdpAndEachTrainsLikeOneDevice) {
   TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8).micro_batches(2);
   const ReferenceResult ref = train_reference(c);
-  struct Shape {
-    int replicate, shard;
-    const char* kind;
-  };
-  for (const Shape& shape : {Shape{4, 1, "ddp"}, Shape{1, 4, "fsdp"}, Shape{2, 2, "hsdp"}}) {
+  for (const MeshShape& shape : {MeshShape{4, 1, "ddp"}, MeshShape{1, 4, "fsdp"}, MeshShape{2, 2, "hsdp"}}) {
     std::vector<std::vector<at::Tensor>> finals(4);
     run_world(
         4,

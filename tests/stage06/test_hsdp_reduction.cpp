@@ -8,6 +8,8 @@
 #include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 
+#include "support/compressed.h"
+#include "support/gradients.h"
 #include "support/group.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -99,11 +101,9 @@ TEST_P(HsdpDivide, TheGradientIsTheMeanOverAllNRanks) {
   const double mean = (N + 1) / 2.0;
   TrainConfig c = test_support::config("mlp").global_batch(4);
   auto reference = make_model(c, at::kCPU);
-  auto data = make_dataset(c.model, c.seed);
-  const Batch batch = data->global_batch(0, c.global_batch);
+  const Batch batch = make_dataset(c.model, c.seed)->global_batch(0, c.global_batch);
   reference->loss(batch).backward();
-  std::vector<at::Tensor> single;
-  for (const auto& p : reference->parameters()) single.push_back(p.grad().detach().clone());
+  const std::vector<at::Tensor> single = test_support::grad_copies(reference->parameters());
   run_world(
       N,
       [&](World& world) {
@@ -264,12 +264,11 @@ TEST(HsdpPipeline, TheAllReduceIsInFlightNotWaitedForWhenTheNextReduceScatterIsI
 TEST(HsdpCompressed, Fp16AndBf16OnBothGroupsTrainCloseToF32) {
   TrainConfig c = test_support::config("mlp").steps(3).global_batch(8);
   const ReferenceResult ref = train_reference(c);
-  for (const std::string name : {"fp16", "bf16"}) {
-    const c10::ScalarType dtype = name == "fp16" ? at::kHalf : at::kBFloat16;
+  for (const auto& [name, dtype] : test_support::compressed_reductions()) {
     std::vector<std::vector<at::Tensor>> finals(4);
     run_world(
         4,
-        [&](World& world) {
+        [&, &name = name, &dtype = dtype](World& world) {
           Mesh mesh(world, 2, 2);
           auto model = make_model(c, at::kCPU);
           auto fsdp = fully_shard_hybrid(model, mesh, {}, parse_wire(name));
@@ -286,10 +285,7 @@ TEST(HsdpCompressed, Fp16AndBf16OnBothGroupsTrainCloseToF32) {
           finals[world.rank()] = on_cpu(fsdp->full_parameters());
         },
         test_group());
-    const double diff = max_abs_diff(finals[0], ref.params);
-    std::cout << "HSDP 2x2 " << name << " vs one device in f32: max |param diff| = " << diff << "\n";
-    EXPECT_LT(diff, 2e-3) << name;
-    EXPECT_GT(diff, 0) << name << ": a half-size reduction cannot be bit-identical to f32";
+    test_support::expect_close_to_f32(finals[0], ref.params, name, "HSDP 2x2 " + name + " vs one device in f32");
     for (int r = 1; r < 4; ++r) EXPECT_EQ(max_abs_diff(finals[r], finals[0]), 0) << name << " rank " << r;
   }
 }

@@ -6,6 +6,7 @@
 #include "shardlab/core/comm/thread_ranks.h"
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/model/parallel_model.h"
+#include "shardlab/core/storage/buffer_pool.h"
 #include "shardlab/course/reference.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/parallelize.h"
@@ -20,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -122,6 +124,39 @@ TEST(ParallelModelInterface, OneLoopTrainsEveryWrapperLikeOneDeviceAndEachAnswer
     test_support::expect_ranks_match(copied, ref.params, wrapping.name, "full_parameters");
     test_support::expect_ranks_close(visited, copied, 0, 0, wrapping.name, "visit_full_parameters beside them");
     test_support::expect_ranks_close(named, copied, 0, 0, wrapping.name, "full_state_dict's parameters beside them");
+  }
+}
+
+// ParallelPolicy::buffers reaches the sharded units: pooled (the default), their all-gather and reduce-scatter buffers
+// come from the wrapper's BufferPool and are reused from the second step on; not pooled, the pool holds nothing.
+TEST(ParallelizePolicy, TheBufferPolicyDecidesWhetherTheUnitsBuffersComeFromThePool) {
+  const TrainConfig c = test_support::config("mlp").steps(2).global_batch(8).seed(31);
+  for (const bool pool : {true, false}) {
+    std::vector<PoolStats> stats(2);
+    run_world(
+        2,
+        [&](World& world) {
+          Mesh mesh(world, 1, 2);
+          ParallelPolicy policy;
+          policy.buffers.pool = pool;
+          auto dp = parallelize(make_model(c, at::kCPU), mesh, policy);
+          test_support::train_steps(world.world(), c, dp->parameters(), at::kCPU, *dp);
+          stats[world.rank()] = dp->sharded()->pool_stats();
+        },
+        test_group());
+    for (int r = 0; r < 2; ++r) {
+      const PoolStats& s = stats[r];
+      std::cout << "buffers.pool " << pool << ", rank " << r << ": " << s.system_allocations
+                << " blocks from the system, " << s.reuses << " reused, peak reserved " << s.peak_reserved_bytes
+                << " bytes\n";
+      if (pool) {
+        EXPECT_GT(s.system_allocations, 0) << "rank " << r << ": the units' buffers should come from the pool";
+        EXPECT_GT(s.reuses, 0) << "rank " << r << ": the second step should reuse the first step's blocks";
+      } else {
+        EXPECT_EQ(s.system_allocations + s.reuses + s.peak_reserved_bytes, 0)
+            << "rank " << r << ": buffers.pool false, yet the pool was used";
+      }
+    }
   }
 }
 

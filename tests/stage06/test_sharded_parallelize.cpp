@@ -7,6 +7,7 @@
 #include "shardlab/core/comm/world.h"
 #include "shardlab/course/reference.h"
 
+#include "stage06/hsdp_support.h"
 #include "support/group.h"
 #include "support/train_config.h"
 #include "support/train_replica.h"
@@ -20,16 +21,11 @@
 namespace shardlab {
 namespace {
 
-using test_support::on_cpu;
-using test_support::test_group;
+using namespace test_support;  // tests/support: the rank loops, builders and checks
 
 TEST(ParallelizeShardedBuild, EveryMeshShapeTrainsLikeOneDeviceAndOnlyDdpBroadcasts) {
   TrainConfig c = test_support::config("tiny_gpt").steps(2).global_batch(8).seed(23);
   const ReferenceResult ref = train_reference(c);
-  struct Shape {
-    int replicate, shard;
-    const char* kind;
-  };
   {  // DDP builds whole; a rank whose builder throws (here with an empty message) stops every rank, none waits
     std::vector<std::string> errors(2);
     run_world(
@@ -54,7 +50,7 @@ TEST(ParallelizeShardedBuild, EveryMeshShapeTrainsLikeOneDeviceAndOnlyDdpBroadca
               std::string::npos)
         << errors[0];
   }
-  for (const Shape& shape : {Shape{1, 4, "fsdp"}, Shape{2, 2, "hsdp"}, Shape{4, 1, "ddp"}}) {
+  for (const MeshShape& shape : {MeshShape{1, 4, "fsdp"}, MeshShape{2, 2, "hsdp"}, MeshShape{4, 1, "ddp"}}) {
     std::vector<std::vector<at::Tensor>> finals(4);
     std::vector<int> broadcasts(4, 0), builds(4, 0);
     run_world(

@@ -1,7 +1,9 @@
 #pragma once
 // A chain model whose blocks run in an order other than their registration (stage 04's forward-order test, stage
-// 05's prefetch tests), and the unit names of an order, for failure messages.
+// 05's prefetch tests), its batches, and the unit names of an order, for failure messages.
+#include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/model/model.h"
+#include "shardlab/course/data.h"
 #include "shardlab/fsdp/fsdp.h"
 
 #include <ATen/ATen.h>
@@ -52,6 +54,12 @@ class Chain : public Model {
   torch::nn::Linear in_, out_;
   std::vector<UnitRef<ChainBlockImpl>> blocks_;
 };
+
+/// This rank's slice of global batch `step` (8 examples) of the mlp dataset of seed 3: what the chain trains on.
+inline Batch chain_batch(int step, const Communicator& comm) {
+  auto data = make_dataset("mlp", 3);
+  return rank_slice(data->global_batch(step, 8), comm.rank(), comm.size());
+}
 
 /// "U root, U block0, ..." for a failure message.
 inline std::string joined(const std::vector<std::string>& items) {

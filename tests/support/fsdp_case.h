@@ -1,7 +1,9 @@
 #pragma once
 // One case of stage 04's equivalence tests (FSDP against one device), shared by the tests of a model built whole
-// and of one built sharded, and its name as the case's gtest suffix ("tiny_gpt_sgd_w2_m1_raf").
+// and of one built sharded, and its name as the case's gtest suffix ("tiny_gpt_sgd_w2_m1_raf"); and the two ranks
+// under FSDP that stage 04's schedule and memory tests look into.
 #include "shardlab/core/comm/thread_ranks.h"
+#include "shardlab/course/data.h"
 #include "shardlab/course/reference.h"
 #include "shardlab/fsdp/fsdp.h"
 
@@ -50,6 +52,19 @@ void expect_case_trains_like_one_device(const FsdpCase& e, const TrainConfig& c,
       },
       test_group());
   expect_ranks_match(finals, ref.params, e);
+}
+
+/// On 2 thread ranks, FSDP with `options` over `c`'s model (on CPU): `body(comm, fsdp, batch)`, `batch` this rank's
+/// half of global batch 0 of `c`'s data.
+template <typename Body>
+void fsdp_on_two_ranks(const TrainConfig& c, const fsdp::Options& options, Body body) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        fsdp::FullyShardedModel fsdp(make_model(c, at::kCPU), comm, options);
+        body(comm, fsdp, rank_slice(make_dataset(c.model, c.seed)->global_batch(0, c.global_batch), comm.rank(), 2));
+      },
+      test_group());
 }
 
 }  // namespace shardlab::test_support

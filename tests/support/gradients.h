@@ -1,7 +1,9 @@
 #pragma once
 // Gradients as the tests reason about them: a rank's own gradient, computed beside a DDP wrapper without it seeing
-// anything, and the average two ranks' all-reduce leaves.
+// anything, the average two ranks' all-reduce leaves, and a backward cut short.
+#include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/model/model.h"
+#include "shardlab/course/data.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -53,6 +55,33 @@ bool backward_cut_short_at(const at::Tensor& param, Backward backward) {
   }
   param.remove_hook(hook);
   return threw;
+}
+
+/// A backward cut short on one of 2 ranks, and what a test of the forward that settles it compares with.
+struct CutShortBackward {
+  Batch aborted, next;                            ///< this rank's halves of global batches 0 and 1 (8 examples)
+  std::vector<at::Tensor> own_aborted, own_next;  ///< the rank's own gradients of each (local_gradients)
+  size_t mark = 0;                                ///< comm.recorder().size() before the cut-short backward
+  size_t launched = 0;                            ///< the collectives that backward launched
+  bool threw = false;                             ///< whether it threw, as it must
+};
+
+/// On one of 2 ranks: the rank's own gradients of its halves of global batches 0 and 1 of `data`, then a backward
+/// through `ddp` (a wrapper of `model`) on the first, cut short at `params.front()` (backward_cut_short_at): the
+/// first layer's weight, the last gradient backward reaches, so the later layers' gradients were accumulated and
+/// their collectives launched.
+template <typename Wrapper>
+CutShortBackward cut_short_backward(Communicator& comm, Model& model, Wrapper& ddp, const Dataset& data,
+                                    const std::vector<at::Tensor>& params) {
+  CutShortBackward cut;
+  cut.aborted = rank_slice(data.global_batch(0, 8), comm.rank(), 2);
+  cut.next = rank_slice(data.global_batch(1, 8), comm.rank(), 2);
+  cut.own_aborted = local_gradients(model, cut.aborted, params);
+  cut.own_next = local_gradients(model, cut.next, params);
+  cut.mark = comm.recorder().size();
+  cut.threw = backward_cut_short_at(params.front(), [&] { ddp.loss(cut.aborted).backward(); });
+  cut.launched = comm.recorder().size() - cut.mark;
+  return cut;
 }
 
 }  // namespace shardlab::test_support
