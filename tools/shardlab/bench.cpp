@@ -87,13 +87,14 @@ nlohmann::json peer_json(const PeerRun& run, const std::string& what) {
   }
 }
 
-bool peer_figures(const PeerRun& run, const std::string& what, nlohmann::json& figures, std::string& why) {
+bool peer_figures(const PeerRun& run, const std::string& label, const std::string& source, nlohmann::json& figures,
+                  std::string& why) {
   if (!run.ok) {
-    why = what + " run failed (" + run.problem + ")";
+    why = label + " run failed (" + run.problem + ")";
     return false;
   }
   try {
-    figures = peer_json(run, what);
+    figures = peer_json(run, source);
   } catch (const std::runtime_error& e) {  // no figure, as for a failed run
     why = e.what();
     return false;

@@ -137,8 +137,9 @@ std::string fmt(double v, int precision);
 /// @throws std::runtime_error naming `what` when the text is not JSON.
 nlohmann::json peer_json(const PeerRun& run, const std::string& what);
 /// A peer's figures (`run.text` as JSON) into `figures`; false, with `why` set, when there are none: the run failed
-/// ("`what` run failed (...)") or wrote no JSON. The bench goes on without them.
-bool peer_figures(const PeerRun& run, const std::string& what, nlohmann::json& figures, std::string& why);
+/// ("`label` run failed (...)") or `source` wrote no JSON. The bench goes on without them.
+bool peer_figures(const PeerRun& run, const std::string& label, const std::string& source, nlohmann::json& figures,
+                  std::string& why);
 
 /// The number under `key` in the object `j`; NaN where it is missing or not a number (a figure the peer did not
 /// report).

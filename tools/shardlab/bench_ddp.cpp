@@ -85,7 +85,7 @@ TorchResult run_torch(const DdpBenchOptions& b) {
   const PeerRun run = run_peer_script(o, argv, json);
   fs::remove_all(tmpl);
   nlohmann::json j;
-  if (!peer_figures(run, "PyTorch DDP (" + b.torch_script + ")", j, t.why)) return t;
+  if (!peer_figures(run, "PyTorch DDP", "PyTorch DDP (" + b.torch_script + ")", j, t.why)) return t;
   t.ok = true;
   t.step_ms = json_number(j, "median_step_ms");
   t.param_count = json_number(j, "param_count");

@@ -105,7 +105,7 @@ Fsdp2Result run_fsdp2(const FsdpBenchOptions& b, const RunOptions& o, bool raf, 
   if (meta) argv.emplace_back("--meta");
   const PeerRun run = run_peer_script(o, argv, (dir / "fsdp.json").string());
   nlohmann::json j;
-  if (!peer_figures(run, "PyTorch FSDP2 (torch_fsdp.py)", j, p.why)) return p;
+  if (!peer_figures(run, "PyTorch FSDP2", "PyTorch FSDP2 (torch_fsdp.py)", j, p.why)) return p;
   p.ok = true;
   p.step_ms = json_number(j, "median_step_ms");
   p.param_count = json_number(j, "param_count");

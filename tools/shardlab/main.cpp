@@ -47,8 +47,9 @@ int compare(const RunOptions& o, const std::string& self) {
       std::cout << "compare: " << s.name << " left out: it cannot clip (--clip-norm)\n";
       continue;
     }
-    if (s.can.mesh && o.world_size < 2) {
-      std::cout << "compare: " << s.name << " left out: it shards over 2 or more ranks (--world-size)\n";
+    if (s.can.mesh && mesh_shape(o.strategy_options, o.world_size).second < 2) {
+      std::cout << "compare: " << s.name << " left out: it shards over 2 or more ranks per replica (--world-size, "
+                << "--mesh)\n";
       continue;
     }
     RunOptions each = o;

@@ -251,7 +251,8 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
     if (shards < 2)
       throw std::invalid_argument("--strategy " + o.strategy + " shards over S >= 2 ranks per replica; got a " +
                                   std::to_string(replicas) + "x" + std::to_string(shards) +
-                                  " mesh (a mesh of shard size 1 is DDP: --strategy bucketed_ddp)");
+                                  (replicas == 1 ? " mesh (one rank: --strategy single)"
+                                                 : " mesh (a mesh of shard size 1 is DDP: --strategy bucketed_ddp)"));
   }
   if (o.backend == "nccl" && !parse_device(o.train.device).is_cuda())
     throw std::invalid_argument("--backend nccl moves CUDA tensors only; it needs --device cuda, got --device " +

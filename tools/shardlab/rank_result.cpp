@@ -8,9 +8,14 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <exception>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
+#include <system_error>
 
 namespace shardlab::cli {
 
@@ -64,10 +69,30 @@ void write_rank_parameters(const std::string& prefix, StepRunner& runner) {
     specs.push_back({tensor_name(specs.size()), at::kDouble, sizes});
     names.push_back(name);
   }
-  const std::string path = prefix + ".safetensors";
-  safetensors::Writer writer(path, specs, {{"names", names.dump()}});
-  runner.visit_full_parameters([&writer](const at::Tensor& p) { writer.write(p.detach().to(at::kDouble)); });
-  writer.finish();
+  // Written beside and renamed once whole (the Writer's contract). Every rank visits every parameter even when a
+  // write fails (the sharded strategies gather each unit with the other ranks), and says why afterwards.
+  const std::string path = prefix + ".safetensors", staging = path + ".partial";
+  std::exception_ptr failed;
+  std::unique_ptr<safetensors::Writer> writer;
+  try {
+    writer = std::make_unique<safetensors::Writer>(staging, specs,
+                                                   std::map<std::string, std::string>{{"names", names.dump()}});
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  runner.visit_full_parameters([&writer, &failed](const at::Tensor& p) {
+    if (failed) return;
+    try {
+      writer->write(p.detach().to(at::kDouble));
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  if (failed) std::rethrow_exception(failed);
+  writer->finish();
+  std::error_code ec;
+  std::filesystem::rename(staging, path, ec);
+  if (ec) throw std::runtime_error("cannot rename " + staging + " to " + path + ": " + ec.message());
 }
 
 at::Tensor read_rank_parameters(const std::string& prefix) {

@@ -45,7 +45,8 @@ struct RankResult {
 
 /// Writes `result` as `prefix`.json, atomically. @throws std::runtime_error naming the file.
 void write_rank_result(const std::string& prefix, const RankResult& result);
-/// Reads `prefix`.json. @throws std::runtime_error naming the file and the key that is missing or of another type.
+/// Reads `prefix`.json. @throws std::runtime_error naming the file, with nlohmann's reason (a missing key is named;
+/// a non-finite figure, written as null, is "type must be number").
 RankResult read_rank_result(const std::string& prefix);
 
 /// Writes every parameter `runner` visits (full, as one device holds it) as float64 to `prefix`.safetensors, one

@@ -9,6 +9,7 @@
 #include "shardlab/core/device/device.h"
 #include "shardlab/course/data.h"
 #include "shardlab/fsdp/fsdp.h"
+#include "shardlab/hsdp/hsdp.h"
 #include "shardlab/hsdp/parallelize.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "shardlab/prefetch/prefetch.h"
@@ -153,9 +154,9 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
   std::shared_ptr<Model> model;
   auto dp = parallelize(sharded_builder(c, model), *mesh, policy, parse_device(c.device));
   MicroBatchHook accumulation;
-  if (s.defer_all_reduce && dp->kind() == DataParallel::Kind::kHsdp) {  // a 1xS mesh has no all-reduce to defer
-    DataParallel* d = dp.get();
-    accumulation = [d](bool last) { d->set_requires_all_reduce(last); };
+  if (s.defer_all_reduce) {  // on a 1xS mesh too: every micro-batch reduce-scattered, as hsdp_traffic counts
+    fsdp::FullyShardedModel* sharded = dp->sharded();  // S > 1: parallelize gave the hybrid wrapper, R = 1 or not
+    accumulation = [sharded](bool last) { hsdp::set_requires_all_reduce(*sharded, last); };
   }
   return wrapped_runner(c, model, std::move(dp), nullptr, std::move(mesh), std::move(accumulation));
 }

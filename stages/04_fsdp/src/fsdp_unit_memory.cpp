@@ -22,11 +22,13 @@ int64_t bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<int64_t
 //    still there, and the peak holds both.
 //  - the gradients are counted as they are now (count(): by the storage each one really has), where they are made or
 //    freed: when the wrapper notes an unsharded gradient autograd accumulated, when stash_gradients makes an
-//    accumulator (before the gradient it copies is freed: their peak), after a reduction freed them, and when it
-//    lands (the sharded gradients it made, and those the optimizer dropped). A reduction's own buffers are counted
-//    from its launch, by the phases it frees them in: Note [A reduction's bytes, phase by phase].
-// Counting at events rather than at each allocation keeps the state machine free of accounting, at no cost to the
-// figures: no allocation falls between an event's buffers being made and its count.
+//    accumulator (before the gradient it copies is freed: their peak), after a reduction freed them, when it lands
+//    (the sharded gradients it made, and those the optimizer dropped), and when a failed backward's are discarded.
+//    A reduction's own buffers are counted from its launch, by the phases it frees them in: Note [A reduction's
+//    bytes, phase by phase].
+// Counting at events rather than at each allocation keeps the state machine free of accounting and leaves the figures
+// as they were: the same bytes counted and released in the same order, so the same peaks. (The meter's samples, for
+// timelines, differ a little: none for zero bytes, and a reduction's after its launch rather than before its fill.)
 //
 // Note [A reduction's bytes, phase by phase]
 // A reduction holds its input (S rows), its output (one row) and the reducer's scratch (reduce_bytes()) from its

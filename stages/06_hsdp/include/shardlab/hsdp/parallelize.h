@@ -49,8 +49,8 @@ struct ReductionPolicy {
 
 /// Where the sharded units' buffers come from.
 struct BufferPolicy {
-  /// True: the all-gather and reduce-scatter buffers are reused from a pool (fsdp::Options::pool_buffers); false:
-  /// each is allocated and freed every time.
+  /// True: on CPU, the all-gather and reduce-scatter buffers are reused from a pool (fsdp::Options::pool_buffers);
+  /// false, or on CUDA: the device's allocator.
   bool pool = true;
 };
 
