@@ -14,11 +14,11 @@ Usage: test_nodes_hsdp.py SHARDLAB_RUN SHARDLAB. No check reads a clock: a hang 
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
-from array import array
+
+from checkpoint_reader import read_safetensors
 
 launcher, shardlab = sys.argv[1], sys.argv[2]
 train = ["--model", "tiny_gpt", "--layers", "2", "--steps", "3", "--global-batch", "16"]
@@ -37,19 +37,9 @@ def read_result(path):
 
 def read_params(path):
     """A rank's parameters (rankR.safetensors: float64 tensors named by registration index), flattened in that
-    order. Read as the format is laid out (8-byte header length, the header's JSON, the data): no library."""
-    with open(path, "rb") as f:
-        data = f.read()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    a = array("d")
-    for name in sorted(header):
-        if header[name]["dtype"] != "F64":
-            raise ValueError(f"{path}: tensor {name} is {header[name]['dtype']}; expected F64")
-        begin, end = header[name]["data_offsets"]
-        a.frombytes(data[8 + n + begin:8 + n + end])
-    return a
+    order, through docs/checkpoints.md's reader."""
+    tensors, _ = read_safetensors(path)
+    return [float(v) for name in sorted(tensors) for v in tensors[name].reshape(-1)]
 
 
 with tempfile.TemporaryDirectory() as tmp:

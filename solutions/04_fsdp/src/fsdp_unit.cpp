@@ -282,11 +282,10 @@ void FsdpUnit::stash_gradients() {
       accumulated_[k].add_(g);
     } else {
       accumulated_[k] = g.to(dtypes_.reduce);
-      count_unsharded_gradients();  // the new accumulator beside the gradient it copies: their peak
     }
     g.reset();
+    count_gradient(k);  // a new accumulator counted before the gradient it copied is released: their peak
   }
-  count_unsharded_gradients();
 }
 
 Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {

@@ -122,11 +122,13 @@ void FsdpUnit::note_gradient(size_t k) {
   count(MemoryKind::kGrads, counted_unsharded_.at(k), params_.at(k).param.grad());
 }
 
+void FsdpUnit::count_gradient(size_t k) {
+  count(MemoryKind::kGrads, counted_accumulated_[k], accumulated_[k]);  // first: a new one beside what it copied
+  count(MemoryKind::kGrads, counted_unsharded_[k], params_[k].param.grad());
+}
+
 void FsdpUnit::count_unsharded_gradients() {
-  for (size_t k = 0; k < params_.size(); ++k) {
-    count(MemoryKind::kGrads, counted_accumulated_[k], accumulated_[k]);
-    count(MemoryKind::kGrads, counted_unsharded_[k], params_[k].param.grad());
-  }
+  for (size_t k = 0; k < params_.size(); ++k) count_gradient(k);
 }
 
 void FsdpUnit::count_sharded_gradients() {

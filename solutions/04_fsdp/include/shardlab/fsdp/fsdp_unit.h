@@ -217,7 +217,8 @@ class FsdpUnit {
   };
   void count_event(UnitEventKind kind);  // the parameters' buffers, by the transition `kind` made
   void count(MemoryKind kind, Counted& counted, const at::Tensor& now);  // `counted` becomes what `now` holds
-  void count_unsharded_gradients();          // the unsharded gradients and the accumulators, as they are now
+  void count_gradient(size_t k);             // params_[k]'s accumulator, then its unsharded gradient, as they are now
+  void count_unsharded_gradients();          // every parameter's, by count_gradient
   void count_sharded_gradients();            // the sharded gradients, as they are now
   void count_reducer_bytes();                // the reducer's held_bytes(), as it is now
   ReductionBytes count_reduction();          // a reduction just launched: its buffers, and the gradients it freed
