@@ -11,7 +11,34 @@ function(shardlab_stage_uses_starter dir out)
   endif()
 endfunction()
 
+# Note [The open track's build]
+# SHARDLAB_OPEN_STAGE=NN builds stage NN from its open-track starter, stages/NN_name/open (tools/gen_open.py): the
+# stage's public headers without the solution's private state, and the student's own sources. Later stages and
+# the tools are left out: they use the solution's internal headers and extension points, which the open starter
+# does not have (the student's design need not offer them). So are every other stage's tests, and the tests that
+# reach into an internal seam of this one (label `guided`: shardlab_add_test_suite in tests/CMakeLists.txt). The
+# stage's headers come from the open tree alone, never from solutions/, so a student's file that includes an
+# internal header of the solution fails to compile instead of linking against nothing.
 function(shardlab_add_stage dir)
+  string(SUBSTRING "${dir}" 0 2 num)
+  if(SHARDLAB_OPEN_STAGE)
+    if(NOT EXISTS ${PROJECT_SOURCE_DIR}/stages/${dir}/open/CMakeLists.txt AND num STREQUAL SHARDLAB_OPEN_STAGE)
+      message(FATAL_ERROR "shardlab: SHARDLAB_OPEN_STAGE=${SHARDLAB_OPEN_STAGE}: stage ${dir} has no open track "
+                          "(expected stages/${dir}/open/CMakeLists.txt, from solutions/${dir}/open_track.json)")
+    endif()
+    if(num STREQUAL SHARDLAB_OPEN_STAGE)
+      if(num IN_LIST SHARDLAB_STARTER_STAGES OR "all" IN_LIST SHARDLAB_STARTER_STAGES)
+        message(FATAL_ERROR "shardlab: stage ${dir} is asked for from both tracks: SHARDLAB_OPEN_STAGE=${num} and "
+                            "SHARDLAB_STARTER_STAGES=${SHARDLAB_STARTER_STAGES}; expected one")
+      endif()
+      message(STATUS "shardlab: stage ${dir} from the OPEN TRACK (stages/${dir}/open)")
+      add_subdirectory(${PROJECT_SOURCE_DIR}/stages/${dir}/open ${CMAKE_BINARY_DIR}/stage_${dir}_open)
+      set(SHARDLAB_STAGES ${SHARDLAB_STAGES} ${dir} CACHE INTERNAL "stages added so far")
+      return()
+    elseif(num GREATER SHARDLAB_OPEN_STAGE)
+      return()
+    endif()
+  endif()
   shardlab_stage_uses_starter(${dir} starter)
   if(starter)
     set(root ${PROJECT_SOURCE_DIR}/stages/${dir})
@@ -96,9 +123,14 @@ function(shardlab_stage_library name)
   add_library(shardlab_${name} ${S_SOURCES})
   add_library(shardlab::${name} ALIAS shardlab_${name})
   set_target_properties(shardlab_${name} PROPERTIES EXPORT_NAME ${name})
-  shardlab_stage_headers(headers)  # see Note [A starter's headers]
-  list(GET headers 0 forwarders)
-  list(GET headers 1 solution)
+  if(CMAKE_CURRENT_SOURCE_DIR MATCHES "/stages/[0-9][0-9]_[^/]+/open$")  # Note [The open track's build]
+    set(forwarders ${CMAKE_CURRENT_SOURCE_DIR}/include)
+    set(solution ${CMAKE_CURRENT_SOURCE_DIR}/include)
+  else()
+    shardlab_stage_headers(headers)  # see Note [A starter's headers]
+    list(GET headers 0 forwarders)
+    list(GET headers 1 solution)
+  endif()
   target_include_directories(shardlab_${name} PUBLIC
     $<BUILD_INTERFACE:${forwarders}>
     $<BUILD_INTERFACE:${solution}>

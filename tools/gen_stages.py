@@ -23,6 +23,9 @@ NN in a marker must equal the directory's NN; regions may not nest; <what> may
 not be empty. Everything outside regions is copied verbatim (binary files as-is,
 permissions included). stages/NN_name/GENERATED.md records the provenance.
 
+A stage with solutions/NN_name/open_track.json also gets its open-track starter, stages/NN_name/open/ (tools/gen_open.py
+says what it holds); the manifest itself is not copied.
+
     tools/gen_stages.py            regenerate all stages in place
     tools/gen_stages.py --check    exit 1 if stages/ differs from what would be generated
 """
@@ -34,6 +37,9 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gen_open  # noqa: E402  (the open track: stages/NN_name/open/)
 
 SOURCE_EXTS = {".h", ".hpp", ".cpp", ".cc"}
 STAGE_DIR = re.compile(r"^(\d\d)_.+$")
@@ -127,6 +133,8 @@ def build_stage(root, sol):
     files, regions = {}, 0
     for path in sorted(p for p in sol.rglob("*") if p.is_file()):
         rel = path.relative_to(sol).as_posix()
+        if rel == gen_open.MANIFEST:
+            continue
         data, mode = path.read_bytes(), path.stat().st_mode & 0o7777
         if path.suffix in SOURCE_EXTS:
             where = path.relative_to(root).as_posix()
@@ -138,6 +146,10 @@ def build_stage(root, sol):
             data, regions = text.encode("utf-8"), regions + n
         files[rel] = (data, mode)
     files["GENERATED.md"] = (GENERATED_MD.format(name=sol.name).encode("utf-8"), 0o644)
+    try:
+        files.update({f"open/{rel}": v for rel, v in gen_open.build_open(root, sol, nn).items()})
+    except gen_open.OpenError as e:
+        raise GenError(str(e))
     return files, regions
 
 

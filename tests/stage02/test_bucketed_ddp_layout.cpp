@@ -1,8 +1,7 @@
-// Stage 02 — the buckets and their layout: assign_buckets' cuts (task 1), the ranks agreeing on rank 0's order (task
-// 2), every gradient a view into its bucket's slice of the flat buffer (task 3), and the buckets rebuilt from the real
-// gradient-ready order.
+// Stage 02 — the buckets and their layout: assign_buckets' cuts (task 1), every gradient a view into its bucket's
+// slice of the flat buffer (task 3), and the buckets rebuilt from the real gradient-ready order (the ranks agreeing
+// on rank 0's order, task 2, through what a user sees; agree_on_order itself: test_bucketed_ddp_seams.cpp).
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
-#include "shardlab/bucketed_ddp/order_agreement.h"
 #include "shardlab/core/comm/thread_ranks.h"
 #include "shardlab/core/compat.h"
 #include "shardlab/course/data.h"
@@ -79,35 +78,6 @@ TEST(AssignBuckets, RejectsBadOrdersAndCaps) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("positive"), std::string::npos) << e.what();
   }
-}
-
-// Task 2: every rank leaves with rank 0's order, in one broadcast of one int64 per entry, waited for.
-TEST(AgreeOnOrder, EveryRankGetsRankZerosOrderInOneBroadcast) {
-  const int world = 3;
-  std::vector<Watch> watches(world);
-  std::vector<std::vector<size_t>> agreed(world);
-  std::vector<std::vector<CollectiveRecord>> recs(world);
-  run_ranks(
-      world,
-      [&](Communicator& comm) {
-        std::vector<size_t> mine(5);
-        std::iota(mine.begin(), mine.end(), size_t{0});
-        std::rotate(mine.begin(), mine.begin() + comm.rank() + 1, mine.end());  // a different order on every rank
-        agreed[comm.rank()] = agree_on_order(comm, mine, test_support::device());
-        recs[comm.rank()] = comm.recorder().since(0);
-      },
-      watched_group(watches));
-  const std::vector<size_t> rank0{1, 2, 3, 4, 0};
-  for (int r = 0; r < world; ++r) {
-    EXPECT_EQ(agreed[r], rank0) << "rank " << r;
-    ASSERT_EQ(recs[r].size(), 1u) << "rank " << r << ": one collective";
-    EXPECT_EQ(recs[r][0].op, "broadcast");
-    EXPECT_EQ(recs[r][0].numel, 5);
-    EXPECT_EQ(recs[r][0].bytes, 5 * 8) << "int64 entries";
-    EXPECT_EQ(watches[r].waited_ns.size(), 1u) << "rank " << r << ": the broadcast is waited for before returning";
-  }
-  std::cout << "every rank got rank 0's order 1 2 3 4 0 in " << recs[1].size() << " broadcast of " << recs[1][0].bytes
-            << " bytes\n";
 }
 
 // Task 3: the layout at construction. Every trainable parameter's .grad() is its slot in the flat buffer of its
