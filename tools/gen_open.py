@@ -26,6 +26,9 @@ from pathlib import Path
 # with default bodies) is kept as it is, and so is everything else in the header: the contract comments, the
 # enums, the free functions' declarations (stubbed). A public header may include only public or given headers of
 # its own stage: anything else would not exist in the open starter.
+# A public member that is the guided design's own seam rather than a user's call (how a wrapper drives its parts)
+# is marked as Doxygen marks internals, between `/// @cond INTERNAL` and `/// @endcond`: those lines are dropped
+# (and Doxygen leaves them out of the reference too).
 # The parser is line based and expects clang-format's layout (one member per statement, a body opening on the
 # declaration's last line); what it cannot read is an error naming the line, never a guess.
 
@@ -108,6 +111,8 @@ def parse_function(decl):
     for i, c in enumerate(decl):
         if c == "(" and depth == 0:
             head = decl[:i].rstrip()
+            if "=" in head.replace("operator=", ""):  # a variable's initializer (`int k = f(1);`), not a function
+                return None
             m = re.search(r"(~?\w+)$", head)
             if not m:
                 return None
@@ -146,10 +151,33 @@ def has_hidden_section(lines, start):
     return False
 
 
+COND_OPEN = re.compile(r"^\s*///\s*@cond\s+INTERNAL\s*$")
+COND_CLOSE = re.compile(r"^\s*///\s*@endcond\s*$")
+
+
+def drop_internal(lines, where):
+    """The lines without the `@cond INTERNAL` ... `@endcond` blocks (Note [A public surface])."""
+    out, opened = [], None
+    for num, line in enumerate(lines, 1):
+        if COND_OPEN.match(line):
+            if opened:
+                raise OpenError(f"{where}:{num}: '@cond INTERNAL' inside the block opened at line {opened}")
+            opened = num
+        elif COND_CLOSE.match(line):
+            if not opened:
+                raise OpenError(f"{where}:{num}: '@endcond' without '@cond INTERNAL'")
+            opened = None
+        elif not opened:
+            out.append(line)
+    if opened:
+        raise OpenError(f"{where}:{opened}: '@cond INTERNAL' without '@endcond'")
+    return out
+
+
 def public_surface(text, where):
     """Reduce one public header (Note [A public surface]); returns (text, stubs) where stubs is a list of
     (namespace, class or None, (ret, name, params, qualifiers))."""
-    lines = text.split("\n")
+    lines = drop_internal(text.split("\n"), where)
     out, stubs, namespace = [], [], None
     i = 0
     depth = 0  # brace depth at the start of lines[i]
@@ -165,14 +193,16 @@ def public_surface(text, where):
             i += 1
             continue
         c = CLASS_OPEN.match(code)
-        if c and not pending and has_hidden_section(lines, i):
-            i = reduce_class(lines, i, c.group(1), c.group(2), namespace, out, stubs, where)
+        if c and not pending and depth == 1:
+            reduce = has_hidden_section(lines, i)
+            i = reduce_class(lines, i, c.group(1), c.group(2), namespace, out, stubs, where, reduce)
             continue
         if pending or (depth == 1 and code.strip() and not code.strip().startswith("#")):
             pending.append(code)
             joined = " ".join(pending)
             if braces(joined) == 0 and joined.rstrip().endswith((";", "}")):
-                fn = parse_function(joined) if "{" not in joined else None  # an inline definition or a type: kept
+                # An inline definition or a type is kept as it is; a declaration (braces only in a default) stubbed.
+                fn = parse_function(joined) if body_brace(joined) is None and not joined.rstrip().endswith("}") else None
                 if fn:
                     stubs.append((namespace, None, fn))
                 pending = []
@@ -182,8 +212,9 @@ def public_surface(text, where):
     return "\n".join(out), stubs
 
 
-def reduce_class(lines, start, kind, name, namespace, out, stubs, where):
-    """Copy the class opened at lines[start] into `out`, reduced; return the index after its closing line."""
+def reduce_class(lines, start, kind, name, namespace, out, stubs, where, reduce=True):
+    """Copy the class opened at lines[start] into `out`, reduced (or, with `reduce` false, as it is); stub its
+    member functions declared without a body; return the index after its closing line."""
     out.append(lines[start])
     access = "private" if kind == "class" else "public"
     comments, member = [], []  # comment lines waiting for their member; the member's lines so far
@@ -192,17 +223,18 @@ def reduce_class(lines, start, kind, name, namespace, out, stubs, where):
         line = lines[i]
         code = code_of(line).strip()
         if not member and code.startswith("}"):  # the class's closing line
-            if access != "private":
+            if access != "private" or not reduce:
                 out.extend(comments)
-            indent = line[: len(line) - len(line.lstrip())]
-            out += [f"{indent} private:", f"{indent}  // Your state: the open track gives none of the solution's members."]
+            if reduce:
+                indent = line[: len(line) - len(line.lstrip())]
+                out += [f"{indent} private:", f"{indent}  // Your state: the open track gives none of the solution's members."]
             out.append(line)
             return i + 1
         if not member and ACCESS.match(code):
-            if access != "private":
+            if access != "private" or not reduce:
                 out.extend(comments)
             comments, access = [], ACCESS.match(code).group(1)
-            if access != "private":
+            if access != "private" or not reduce:
                 out.append(line)
             i += 1
             continue
@@ -215,7 +247,11 @@ def reduce_class(lines, start, kind, name, namespace, out, stubs, where):
         if braces(joined) != 0 or not (joined.rstrip().endswith(";") or joined.rstrip().endswith("}")):
             i += 1
             continue
-        if access != "private":
+        if not reduce:
+            out.extend(comments + member)
+            if access != "private":
+                keep_member(member, name, namespace, stubs)
+        elif access != "private":
             out.extend(comments)
             out.extend(reduce_member(member, name, namespace, stubs, f"{where}:{i + 1}"))
         comments, member = [], []
@@ -223,39 +259,44 @@ def reduce_class(lines, start, kind, name, namespace, out, stubs, where):
     raise OpenError(f"{where}:{start + 1}: class {name} has no closing brace the parser could find")
 
 
-def reduce_member(member, cls, namespace, stubs, where):
-    """One public or protected member: an inline body becomes a declaration (stubbed); a declaration is stubbed."""
-    joined = " ".join(code_of(m).strip() for m in member)
-    if re.match(r"^(struct|class|enum|union)\b", joined):
-        return member  # a nested type: as it is
-    brace = None
+def body_brace(text):
+    """Index in `text` of a function body's '{': the first one outside every bracket after the parameter list's ')'
+    (a default argument's `= {}` is inside the parentheses); None when there is no body."""
     depth = 0
-    for k, ch in enumerate(joined):  # the body's '{': the first one outside every bracket, after a ')'
-        if ch == "{" and depth == 0 and ")" in joined[:k]:
-            brace = k
-            break
+    for k, ch in enumerate(text):
+        if ch == "{" and depth == 0 and ")" in text[:k]:
+            return k
         if ch in "(<[{":
             depth += 1
         elif ch in ")>]}":
             depth -= 1
-    decl = joined if brace is None else joined[:brace].rstrip() + ";"
-    fn = parse_function(decl)
+    return None
+
+
+def reduce_member(member, cls, namespace, stubs, where):
+    """One public or protected member: an inline body becomes a declaration (stubbed); a declaration is stubbed."""
+    code = "\n".join(code_of(m).rstrip() for m in member)
+    if re.match(r"^\s*(struct|class|enum|union)\b", code):
+        return member  # a nested type: as it is
+    brace = body_brace(code)
+    fn = parse_function(code if brace is None else code[:brace] + ";")
     if brace is not None:
         if fn is None:
-            raise OpenError(f"{where}: a body the parser cannot read as a member function's: '{joined}'")
-        # Keep the lines up to the body's first line, cut there.
-        for n, m in enumerate(member):
-            if "{" in code_of(m):
-                head = member[:n]
-                cut = code_of(m)
-                cut = cut[: cut.index("{")].rstrip() + ";"
-                if fn and fn[1] not in cut and fn[1] not in " ".join(head):
-                    raise OpenError(f"{where}: expected the function's name before its body, got '{joined}'")
-                member = head + [cut]
-                break
+            raise OpenError(f"{where}: a body the parser cannot read as a member function's: '{' '.join(code.split())}'")
+        member = (code[:brace].rstrip() + ";").split("\n")  # the declaration's lines, cut where the body began
     if fn is not None:
         stubs.append((namespace, cls, fn))
     return member
+
+
+def keep_member(member, cls, namespace, stubs):
+    """A member of a class kept as it is: stubbed when it is a function declared without a body."""
+    joined = " ".join(code_of(m).strip() for m in member)
+    if "{" in joined or re.match(r"^(struct|class|enum|union)\b", joined):
+        return
+    fn = parse_function(joined)
+    if fn is not None and not fn[1].startswith("~") and fn[1] != cls:
+        stubs.append((namespace, cls, fn))
 
 
 def stub_source(nn, headers, stubs):

@@ -67,9 +67,11 @@ struct FsdpParam {
   at::Tensor param;             ///< the module's registered tensor: full shape, param dtype, gathered-buffer slot
   at::Tensor sharded;           ///< this rank's real rows, original dtype: what the optimizer steps
   ShardSpec spec;               ///< how it is split over the group
+  /// @cond INTERNAL
   int64_t shard_offset = 0;     ///< first element of its padded shard in the sharded buffer (and in each block)
   int64_t gathered_offset = 0;  ///< first element of the full parameter in the gathered buffer
   int64_t grad_offset = -1;     ///< first element of its padded chunk in a reduce-scatter row; -1 when frozen
+  /// @endcond
   bool trainable = false;       ///< requires grad (frozen parameters are gathered but never reduced)
 };
 
@@ -81,8 +83,12 @@ struct FsdpParam {
 ///  - Construction keeps this rank's shard of each parameter's current values and turns the registered tensor
 ///    into a slot of the gathered buffer; the unit starts sharded.
 ///  - The communicator, the meter and the parameters' module outlive the unit. Not copyable or movable.
+///
+/// The wrapper's own calls (construction, the transitions, the reduction) are internal: the guided track's design
+/// of a unit, which the open track's header leaves out (tools/gen_open.py drops the blocks marked internal).
 class FsdpUnit {
  public:
+  /// @cond INTERNAL
   /// Shards `params` (name, registered tensor) over `comm`.
   /// @param name the unit's name, for errors and reports.
   /// @param params (the model's name, the registered tensor) of every parameter of the unit, each once.
@@ -98,6 +104,7 @@ class FsdpUnit {
   FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
            const MixedPrecision& policy, std::shared_ptr<GradientReducer> reducer, MemoryMeter& meter,
            BufferPool* pool = nullptr);
+  /// @endcond
   ~FsdpUnit();
   FsdpUnit(const FsdpUnit&) = delete;
   FsdpUnit& operator=(const FsdpUnit&) = delete;
@@ -122,6 +129,7 @@ class FsdpUnit {
   /// The reducer, read-only.
   const GradientReducer& reducer() const { return *reducer_; }
 
+  /// @cond INTERNAL
   /// sharded -> unsharding: issues one all-gather of the padded shards (cast to the param dtype) into a new
   /// all-gather buffer. No-op in any other state. A collective.
   void begin_unshard();
@@ -141,6 +149,7 @@ class FsdpUnit {
   /// unsharding -> sharded without using the result: waits for the all-gather in flight, then drops its buffers
   /// (no copy-out, the gathered buffer never gets its bytes). Emits kReshard. No-op in any other state.
   void cancel_unshard();
+  /// @endcond
 
   /// Bytes the gathered buffer holds now (0 while sharded).
   int64_t gathered_bytes() const;
@@ -167,6 +176,7 @@ class FsdpUnit {
   /// What the reducer keeps between micro-batches that all reduce (GradientReducer::deferred_bytes of one row).
   int64_t deferred_bytes() const;
 
+  /// @cond INTERNAL
   /// Counts params()[k]'s unsharded gradient in the meter (as it is now: a gradient freed since is no longer
   /// counted). Called by the wrapper when the gradient has been accumulated.
   void note_gradient(size_t k);
@@ -196,6 +206,7 @@ class FsdpUnit {
   /// Every parameter's full values in the original dtype (fresh tensors, whatever the state), from one
   /// all-gather of the shards. A collective.
   std::vector<at::Tensor> gather_full_parameters();
+  /// @endcond
 
  private:
   void wait_for_all_gather();  // all_gather_.wait(), recorded as the wait "fsdp unshard"; keeps the first failure
