@@ -247,6 +247,10 @@ TEST(BucketedDDP, AParameterWithoutGradientOnOneRankOnlyIsStillReducedThere) {
   std::vector<std::vector<at::Tensor>> accumulated(2), synced(2);
   std::vector<std::string> names;
   std::string buckets;
+  // The step after the error, every layer used on both ranks: its collectives, its error, whether it rebuilt.
+  std::vector<std::vector<CollectiveRecord>> after(2);
+  std::vector<std::string> after_errors(2);
+  std::vector<int> rebuilt(2, -1);
   GroupOptions group = test_group();
   group.timeout = std::chrono::milliseconds(10'000);  // a rank left waiting in a bucket fails after 10 s, not 30
   run_ranks(
@@ -280,6 +284,14 @@ TEST(BucketedDDP, AParameterWithoutGradientOnOneRankOnlyIsStillReducedThere) {
           names = ddp.parameter_names();
           for (const auto& b : ddp.buckets()) buckets += (buckets.empty() ? "" : ", ") + std::to_string(b.numel);
         }
+        const size_t before_next = comm.recorder().size();
+        try {
+          ddp.loss(first).backward();
+        } catch (const std::exception& e) {
+          after_errors[rank] = e.what();
+        }
+        after[rank] = comm.recorder().since(before_next);
+        rebuilt[rank] = ddp.rebuilt() ? 1 : 0;
       },
       group);
   for (int r = 0; r < 2; ++r)
@@ -307,6 +319,19 @@ TEST(BucketedDDP, AParameterWithoutGradientOnOneRankOnlyIsStillReducedThere) {
           << test_support::max_diff(synced[r][i], test_support::mean_of_two(accumulated[0][i], at::zeros_like(want)))
           << ")";
   }
+  // The backward that threw on rank 1 was, on rank 0, the first synchronized backward that completed: whether the
+  // buckets are rebuilt at the next forward (a broadcast) must not depend on what this rank's gradients did, or
+  // rank 0 broadcasts while rank 1 all-reduces.
+  for (int r = 0; r < 2; ++r)
+    std::cout << "the step after, rank " << r << ": " << show_collectives(after[r]) << "; rebuilt " << rebuilt[r]
+              << "; error: " << after_errors[r].substr(0, 160) << "\n";
+  EXPECT_EQ(show_collectives(after[1]), show_collectives(after[0]))
+      << "after the backward that threw on rank 1 only, the next step issues different collectives on the two "
+      << "ranks: the rebuild is pending on one rank and not on the other";
+  EXPECT_EQ(rebuilt[1], rebuilt[0]) << "one rank rebuilt its buckets and the other did not";
+  EXPECT_TRUE(after_errors[0].empty() && after_errors[1].empty())
+      << "the step after failed: rank 0: " << after_errors[0].substr(0, 200) << "; rank 1: "
+      << after_errors[1].substr(0, 200);
 }
 
 // Invariant 4 of task 4: a parameter is marked at most once per backward; a second mark throws std::logic_error

@@ -329,19 +329,10 @@ void BucketedDDP::finish_sync() {
   }
   in_sync_ = false;
   comm_.recorder().record_wait("ddp sync", wait_start, now_ns());
-  // A parameter without gradient is an error only now: finish_backward reduced its slot as it was, because another
-  // rank may have had every gradient and be waiting for that bucket.
-  if (!unused.empty() && !options_.find_unused_parameters) {
-    std::string list;
-    for (size_t i : unused) list += (list.empty() ? "'" : ", '") + names_[i] + "'";
-    throw std::runtime_error(
-        "BucketedDDP: trainable parameter(s) " + list + " received no gradient in this backward pass, so " +
-        "their buckets can never be reduced (PyTorch DDP: \"Expected to have finished reduction in the prior " +
-        "iteration\"). Make the loss depend on them, freeze them (requires_grad false), or set " +
-        "Options::find_unused_parameters = true to reduce them as zero gradients.");
-  }
-
-  // The full order of this (successful) backward: hook order, then the parameters found unused.
+  // Every bucket was reduced and waited for. The full order of this backward: hook order, then the parameters that
+  // had no gradient. It is recorded, and the first rebuild made pending, before a missing gradient is reported:
+  // that error may be this rank's alone (a layer skipped here only), and a rebuild pending on some ranks only
+  // would pair one rank's broadcast with another's all-reduce at the next forward.
   std::vector<bool> listed(params_.size(), false);
   for (size_t i : backward_order_) listed[i] = true;
   for (size_t i = params_.size(); i-- > 0;)
@@ -355,6 +346,17 @@ void BucketedDDP::finish_sync() {
   for (auto& t : last_ready_ns_)
     if (t == 0) t = last_end_ns_;
   if (options_.rebuild_buckets && !rebuilt_) rebuild_pending_ = true;
+  // A parameter without gradient is an error only now: finish_backward reduced its slot as it was, because another
+  // rank may have had every gradient and be waiting for that bucket.
+  if (!unused.empty() && !options_.find_unused_parameters) {
+    std::string list;
+    for (size_t i : unused) list += (list.empty() ? "'" : ", '") + names_[i] + "'";
+    throw std::runtime_error(
+        "BucketedDDP: trainable parameter(s) " + list + " received no gradient in this backward pass, so " +
+        "their buckets can never be reduced (PyTorch DDP: \"Expected to have finished reduction in the prior " +
+        "iteration\"). Make the loss depend on them, freeze them (requires_grad false), or set " +
+        "Options::find_unused_parameters = true to reduce them as zero gradients.");
+  }
 }
 
 BackwardProfile BucketedDDP::last_backward_profile() const {

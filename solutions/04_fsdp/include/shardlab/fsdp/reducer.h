@@ -67,8 +67,8 @@ class GradientReducer {
   /// A short name for reports and errors ("reduce_scatter", "fp16", "hsdp").
   virtual std::string name() const = 0;
   /// Drops whatever the reducer keeps between calls, and makes the calls still in flight keep nothing: called after a
-  /// backward that threw (FsdpUnit::discard_unsharded_gradients), so that nothing of it reaches a later step. Not a
-  /// collective. The default keeps nothing.
+  /// backward that threw (when the unit drops its unsharded gradients), so that nothing of it reaches a later step.
+  /// Not a collective. The default keeps nothing.
   virtual void discard() {}
 };
 

@@ -23,7 +23,7 @@ struct BucketCaps {
 /// Checks that both caps are positive.
 /// @param who the caller, named first in the error (e.g. "BucketedDDP::set_caps").
 /// @param caps the caps to check.
-/// @throws std::invalid_argument naming `who` and both caps when one is not positive.
+/// @throws std::invalid_argument naming `who` and both caps, and saying they must be positive, when one is not.
 void check_caps(const char* who, BucketCaps caps);
 
 /// Groups parameters into buckets.

@@ -45,7 +45,7 @@ namespace shardlab::bucketed_ddp {
 struct Options {
   BucketCaps caps;                      ///< byte caps (first bucket 1 MiB, later 25 MiB by default)
   bool find_unused_parameters = false;  ///< false: a parameter without gradient is an error naming it
-  bool rebuild_buckets = true;          ///< rebuild once from the real gradient-ready order
+  bool rebuild_buckets = true;          ///< rebuild once from the real gradient-ready order (ready_order())
   BucketReducer reducer;                ///< null: `comm.all_reduce(bucket, ReduceOp::kAvg)`
 };
 
@@ -66,13 +66,17 @@ struct Bucket {
 ///    buffer from rank 0 (a collective).
 ///  - Call `loss(batch)` (the forward) before each backward. After `backward()` returns outside `no_sync`, every
 ///    trainable parameter's `.grad()` holds the average over ranks; it shares storage with a flat buffer
-///    (`grad_buffer`). Zeroing grads in place keeps them there; a `.grad()` that something dropped or replaced
-///    (libtorch 2.x `zero_grad`) is moved back into its slot by the next `loss()` or when its gradient arrives.
+///    (`grad_buffer`). Zeroing grads in place keeps them there; a `.grad()` that something dropped (libtorch 2.x
+///    `zero_grad`) or replaced is put back into its slot by the next `loss()` or when its gradient arrives: a
+///    dropped one as zeros, a replaced one with its values.
 ///  - A forward under `NoGradGuard` (evaluation) runs no collective and may run on some ranks only.
-///  - Double backward (`create_graph = true`) is not supported: backward throws naming the parameter.
+///  - Double backward (`create_graph = true`) is not supported: backward throws std::invalid_argument naming the
+///    parameter and `create_graph`.
 ///  - The trainable parameters are fixed at construction: unfreezing one later does not add it to a bucket.
 ///  - Every trainable parameter must receive a gradient in every synchronized backward, unless
-///    `find_unused_parameters` is set; otherwise backward throws an error that names the parameters.
+///    `find_unused_parameters` is set; otherwise backward throws std::runtime_error naming the parameters
+///    ('c.weight', 'c.bias': in index order) and `find_unused_parameters`, once every bucket was reduced (another
+///    rank may have had those gradients). Names in errors are quoted the same way everywhere.
 ///  - Frozen parameters (requires_grad false) never enter a bucket.
 ///  - The model and the Communicator must outlive the BucketedDDP. Not copyable or movable (hooks point to it).
 class BucketedDDP : public ReplicatedModel {
@@ -126,8 +130,10 @@ class BucketedDDP : public ReplicatedModel {
   const std::vector<Bucket>& buckets() const { return buckets_; }
   /// The flat gradient buffer of `dtype` (undefined when no parameter has that dtype).
   at::Tensor grad_buffer(c10::ScalarType dtype) const;
-  /// Parameter indices in the order their gradients became ready in the last synchronized backward that
-  /// completed (parameters found unused come last).
+  /// Parameter indices in the order their gradients became ready in the last synchronized backward whose buckets
+  /// were all reduced, one that then threw for a missing gradient included (parameters without gradient come last).
+  /// After the first such backward the buckets are rebuilt at the next training forward, on every rank alike:
+  /// rank 0's order, broadcast.
   const std::vector<size_t>& ready_order() const { return ready_order_; }
   /// True once the buckets were rebuilt from a real ready order.
   bool rebuilt() const { return rebuilt_; }

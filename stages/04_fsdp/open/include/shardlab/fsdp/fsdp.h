@@ -152,7 +152,9 @@ struct MemoryTheory {
 ///    rank, the same way: every unit is a collective. Every rank must run the same units in the same order, and
 ///    leave the same trainable parameters without gradient (Note [A parameter unused on some ranks] in fsdp.cpp:
 ///    exact on Gloo with CPU tensors; on NCCL a rank that differs must fail, which allow_unused_parameters false
-///    makes it do).
+///    makes it do). Without allow_unused_parameters, a trainable parameter without gradient makes backward throw
+///    std::runtime_error naming each, quoted ('sometimes'; several: ", "-joined), once every unit was
+///    reduced (with zeros for it), so that no rank hangs.
 ///  - After a synchronized backward, each sharded parameter's `.grad()` holds its rows of the gradient of the
 ///    mean loss over all ranks' batches (accumulated into a gradient already there: zero it before each step).
 ///  - A forward under `NoGradGuard` (evaluation) gathers and frees like a training forward (collectives on every
@@ -164,7 +166,8 @@ struct MemoryTheory {
 ///    supported.
 ///  - A collective that fails is an exception from the call that waits for it. After a unit's all-gather failed
 ///    (the unit is left half-way, without its parameters), the wrapper refuses every further loss, gather, clip and
-///    checkpoint with std::logic_error naming the unit and the error (Note [A wrapper whose all-gather failed]):
+///    checkpoint with std::logic_error naming the unit and the error, "refused, since the all-gather of unit
+///    'block1' failed (...)", and saying to make a new group and wrapper (Note [A wrapper whose all-gather failed]):
 ///    make a new group and wrapper, and load the last checkpoint. After a reduce-scatter failed, backward throws
 ///    once every other one was waited for; nothing stays pending, and the wrapper is as it was.
 ///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
@@ -173,9 +176,11 @@ class FullyShardedModel : public ParallelModel {
  public:
   /// Broadcasts the model's state from rank 0 of the mesh, shards every unit and the root over `mesh.shard`, and
   /// puts itself into the units' slots.
+  /// Every check comes first, the reducer factory's included (asked once per unit, in units() order): a
+  /// constructor that throws has changed no rank's model.
   /// @throws std::invalid_argument for a null model, a malformed `mesh` (MeshInfo::check), a parameter FSDP
   ///         cannot shard (scalar, non-contiguous: named), a parameter shared by two units, a unit with mixed
-  ///         dtypes, or a reducer factory that gives no reducer.
+  ///         dtypes, or a reducer factory that gives no reducer (naming the unit).
   FullyShardedModel(std::shared_ptr<Model> model, const MeshInfo& mesh, Options options = {});
   /// FSDP on one group: the constructor above with MeshInfo::fsdp(comm).
   FullyShardedModel(std::shared_ptr<Model> model, Communicator& comm, Options options = {});
@@ -192,9 +197,11 @@ class FullyShardedModel : public ParallelModel {
   ///        compared over every rank of the mesh, which all construct alike.
   /// @param options as the other constructor's.
   /// @param device where each unit moves before it is sharded, and the root after the build.
-  /// @throws as the other constructor, and std::invalid_argument for an empty builder, a null model or units
-  ///         registered outside the call, on every rank alike: a rank whose build threw tells the others (one
-  ///         all-gather of the errors), which throw std::runtime_error naming it.
+  /// @throws as the other constructor, and std::invalid_argument for an empty builder, a null model, units
+  ///         registered outside the call ("the builder's model has 2 units, of which 0 were registered while it
+  ///         ran") or a unit changed after it was registered ("unit 'block0' changed after it was registered": a
+  ///         parameter added, replaced or frozen), on every rank alike: a rank whose build threw tells the others
+  ///         (one all-gather of the errors), which throw std::runtime_error naming it.
   FullyShardedModel(const ModelBuilder& build, const MeshInfo& mesh, Options options = {},
                     const c10::Device& device = c10::Device(c10::kCPU));
   /// Sharded construction of FSDP on one group: the constructor above with MeshInfo::fsdp(comm).
