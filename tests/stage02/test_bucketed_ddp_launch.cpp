@@ -330,8 +330,8 @@ TEST(BucketedDDP, AParameterWithoutGradientOnOneRankOnlyIsStillReducedThere) {
       << "ranks: the rebuild is pending on one rank and not on the other";
   EXPECT_EQ(rebuilt[1], rebuilt[0]) << "one rank rebuilt its buckets and the other did not";
   EXPECT_TRUE(after_errors[0].empty() && after_errors[1].empty())
-      << "the step after failed: rank 0: " << after_errors[0].substr(0, 200) << "; rank 1: "
-      << after_errors[1].substr(0, 200);
+      << "the step after failed: rank 0: " << after_errors[0].substr(0, 200)
+      << "; rank 1: " << after_errors[1].substr(0, 200);
 }
 
 // Invariant 4 of task 4: a parameter is marked at most once per backward; a second mark throws std::logic_error

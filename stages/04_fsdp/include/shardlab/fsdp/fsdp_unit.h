@@ -63,16 +63,16 @@ const char* to_string(UnitEventKind kind);
 
 /// One parameter managed by a unit.
 struct FsdpParam {
-  std::string name;             ///< the model's name for it ("block0.fc.weight")
-  at::Tensor param;             ///< the module's registered tensor: full shape, param dtype, gathered-buffer slot
-  at::Tensor sharded;           ///< this rank's real rows, original dtype: what the optimizer steps
-  ShardSpec spec;               ///< how it is split over the group
+  std::string name;        ///< the model's name for it ("block0.fc.weight")
+  at::Tensor param;        ///< the module's registered tensor: full shape, param dtype, gathered-buffer slot
+  at::Tensor sharded;      ///< this rank's real rows, original dtype: what the optimizer steps
+  ShardSpec spec;          ///< how it is split over the group
+  bool trainable = false;  ///< requires grad (frozen parameters are gathered but never reduced)
   /// @cond INTERNAL
   int64_t shard_offset = 0;     ///< first element of its padded shard in the sharded buffer (and in each block)
   int64_t gathered_offset = 0;  ///< first element of the full parameter in the gathered buffer
   int64_t grad_offset = -1;     ///< first element of its padded chunk in a reduce-scatter row; -1 when frozen
   /// @endcond
-  bool trainable = false;       ///< requires grad (frozen parameters are gathered but never reduced)
 };
 
 /// The parameters of one unit: sharded at construction, gathered on demand, their gradients reduce-scattered.

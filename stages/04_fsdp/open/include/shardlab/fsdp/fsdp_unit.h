@@ -63,11 +63,11 @@ const char* to_string(UnitEventKind kind);
 
 /// One parameter managed by a unit.
 struct FsdpParam {
-  std::string name;             ///< the model's name for it ("block0.fc.weight")
-  at::Tensor param;             ///< the module's registered tensor: full shape, param dtype, gathered-buffer slot
-  at::Tensor sharded;           ///< this rank's real rows, original dtype: what the optimizer steps
-  ShardSpec spec;               ///< how it is split over the group
-  bool trainable = false;       ///< requires grad (frozen parameters are gathered but never reduced)
+  std::string name;        ///< the model's name for it ("block0.fc.weight")
+  at::Tensor param;        ///< the module's registered tensor: full shape, param dtype, gathered-buffer slot
+  at::Tensor sharded;      ///< this rank's real rows, original dtype: what the optimizer steps
+  ShardSpec spec;          ///< how it is split over the group
+  bool trainable = false;  ///< requires grad (frozen parameters are gathered but never reduced)
 };
 
 /// The parameters of one unit: sharded at construction, gathered on demand, their gradients reduce-scattered.
