@@ -19,13 +19,27 @@ endfunction()
 # reach into an internal seam of this one (label `guided`: shardlab_add_test_suite in tests/CMakeLists.txt). The
 # stage's headers come from the open tree alone, never from solutions/, so a student's file that includes an
 # internal header of the solution fails to compile instead of linking against nothing.
+function(shardlab_check_open_stage)  # SHARDLAB_OPEN_STAGE: a stage with an open track, by its two digits
+  if(NOT SHARDLAB_OPEN_STAGE)
+    return()
+  endif()
+  file(GLOB open_tracks RELATIVE ${PROJECT_SOURCE_DIR}/stages ${PROJECT_SOURCE_DIR}/stages/*/open/CMakeLists.txt)
+  set(open_numbers)
+  foreach(track IN LISTS open_tracks)
+    string(SUBSTRING "${track}" 0 2 num)
+    list(APPEND open_numbers ${num})
+  endforeach()
+  if(NOT SHARDLAB_OPEN_STAGE IN_LIST open_numbers)
+    string(REPLACE ";" ", " open_numbers "${open_numbers}")
+    message(FATAL_ERROR "shardlab: SHARDLAB_OPEN_STAGE: expected the two digits of a stage with an open track "
+                        "(stages/NN_name/open: ${open_numbers}); got '${SHARDLAB_OPEN_STAGE}'")
+  endif()
+endfunction()
+shardlab_check_open_stage()
+
 function(shardlab_add_stage dir)
   string(SUBSTRING "${dir}" 0 2 num)
   if(SHARDLAB_OPEN_STAGE)
-    if(NOT EXISTS ${PROJECT_SOURCE_DIR}/stages/${dir}/open/CMakeLists.txt AND num STREQUAL SHARDLAB_OPEN_STAGE)
-      message(FATAL_ERROR "shardlab: SHARDLAB_OPEN_STAGE=${SHARDLAB_OPEN_STAGE}: stage ${dir} has no open track "
-                          "(expected stages/${dir}/open/CMakeLists.txt, from solutions/${dir}/open_track.json)")
-    endif()
     if(num STREQUAL SHARDLAB_OPEN_STAGE)
       if(num IN_LIST SHARDLAB_STARTER_STAGES OR "all" IN_LIST SHARDLAB_STARTER_STAGES)
         message(FATAL_ERROR "shardlab: stage ${dir} is asked for from both tracks: SHARDLAB_OPEN_STAGE=${num} and "

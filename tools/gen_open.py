@@ -45,7 +45,8 @@ class OpenError(Exception):
 
 
 def code_of(line):
-    """The line without its // comment (string literals kept whole)."""
+    """The line without its comments: // to the end, and /* */ closed on the same line (string literals kept
+    whole). A /* left open stays, for public_surface to refuse."""
     out, quote, i = [], None, 0
     while i < len(line):
         c = line[i]
@@ -61,6 +62,9 @@ def code_of(line):
             out.append(c)
         elif line.startswith("//", i):
             break
+        elif line.startswith("/*", i) and "*/" in line[i + 2:]:
+            i = line.index("*/", i + 2) + 2
+            continue
         else:
             out.append(c)
         i += 1
@@ -107,13 +111,18 @@ def parse_function(decl):
     decl = re.sub(r"\[\[[^\]]*\]\]\s*", "", " ".join(decl.split())).rstrip(";").strip()
     if re.match(r"^(using|typedef|friend|static_assert|template|enum|struct|class|union)\b", decl):
         return None
+    op = re.search(r"\boperator\s*([^\w\s(]*)\s*\(", decl)
+    if op and (not op.group(1) or re.search(r"[<>]", op.group(1))):
+        raise OpenError(f"cannot stub '{decl}': an operator with '<', '>' or '()' in its name; define it inline")
+    if re.search(r"\)[\w\s&]*->", decl):
+        raise OpenError(f"cannot read '{decl}': a trailing return type; write the return type first")
     depth = 0
     for i, c in enumerate(decl):
         if c == "(" and depth == 0:
             head = decl[:i].rstrip()
-            if "=" in head.replace("operator=", ""):  # a variable's initializer (`int k = f(1);`), not a function
+            if "=" in re.sub(r"operator\s*\S+$", "", head):  # a variable's initializer (`int k = f(1);`)
                 return None
-            m = re.search(r"(~?\w+)$", head)
+            m = re.search(r"(operator\s*[^\w\s(]+|~?\w+)$", head)
             if not m:
                 return None
             close = matching(decl, i)
@@ -138,12 +147,20 @@ def parse_function(decl):
     return None
 
 
+def parse_at(decl, where):
+    """parse_function, its error placed at `where`."""
+    try:
+        return parse_function(decl)
+    except OpenError as e:
+        raise OpenError(f"{where}: {e}")
+
+
 def has_hidden_section(lines, start):
-    """True when the class opened at lines[start] has a private or protected section."""
+    """True when the class opened at lines[start] has a private section (its state: the student's to design)."""
     depth = 0
     for line in lines[start:]:
         code = code_of(line)
-        if depth == 1 and ACCESS.match(code) and ACCESS.match(code).group(1) != "public":
+        if depth == 1 and ACCESS.match(code) and ACCESS.match(code).group(1) == "private":
             return True
         depth += braces(code)
         if depth <= 0:
@@ -178,6 +195,10 @@ def public_surface(text, where):
     """Reduce one public header (Note [A public surface]); returns (text, stubs) where stubs is a list of
     (namespace, class or None, (ret, name, params, qualifiers))."""
     lines = drop_internal(text.split("\n"), where)
+    for num, line in enumerate(lines, 1):
+        if "/*" in code_of(line):
+            raise OpenError(f"{where}:{num}: a /* comment over several lines: the open track's reader expects // "
+                            f"comments (and /* */ closed on its line)")
     out, stubs, namespace = [], [], None
     i = 0
     depth = 0  # brace depth at the start of lines[i]
@@ -186,6 +207,12 @@ def public_surface(text, where):
         line = lines[i]
         code = code_of(line)
         m = NAMESPACE_OPEN.match(code)
+        if m and depth != 0:
+            raise OpenError(f"{where}:{i + 1}: a namespace inside a namespace: the open track's reader expects one "
+                            f"namespace per header ('namespace a::b {{')")
+        if re.match(r"^\s*(class|struct)\s+\w+\b[^;{]*$", code) and depth == 1 and not pending:
+            raise OpenError(f"{where}:{i + 1}: a class head without its '{{' on the same line: expected "
+                            f"clang-format's layout, got '{code.strip()}'")
         if m and depth == 0:
             namespace = m.group(1)
             out.append(line)
@@ -201,15 +228,22 @@ def public_surface(text, where):
             pending.append(code)
             joined = " ".join(pending)
             if braces(joined) == 0 and joined.rstrip().endswith((";", "}")):
+                if joined.lstrip().startswith("template") and (re.search(r"\bprivate\s*:", " ".join(
+                        lines[i - len(pending) + 1:i + 1])) or body_brace(joined) is None):
+                    raise OpenError(f"{where}:{i + 1}: a template with private state or without a body: the open "
+                                    f"track cannot stub it; define it inline, or keep it out of the public headers")
                 # An inline definition or a type is kept as it is; a declaration (braces only in a default) stubbed.
-                fn = parse_function(joined) if body_brace(joined) is None and not joined.rstrip().endswith("}") else None
+                fn = (parse_at(joined, f"{where}:{i + 1}")
+                      if body_brace(joined) is None and not joined.rstrip().endswith("}") else None)
                 if fn:
                     stubs.append((namespace, None, fn))
                 pending = []
         out.append(line)
         depth += braces(code)
         i += 1
-    return "\n".join(out), stubs
+    # A dropped block between two blank lines leaves them side by side (clang-format keeps at most one).
+    text = re.sub(r"\n(\s*\n){2,}", "\n\n", "\n".join(out))
+    return text, stubs
 
 
 def reduce_class(lines, start, kind, name, namespace, out, stubs, where, reduce=True):
@@ -250,7 +284,7 @@ def reduce_class(lines, start, kind, name, namespace, out, stubs, where, reduce=
         if not reduce:
             out.extend(comments + member)
             if access != "private":
-                keep_member(member, name, namespace, stubs)
+                keep_member(member, name, namespace, stubs, f"{where}:{i + 1}")
         elif access != "private":
             out.extend(comments)
             out.extend(reduce_member(member, name, namespace, stubs, f"{where}:{i + 1}"))
@@ -277,9 +311,17 @@ def reduce_member(member, cls, namespace, stubs, where):
     """One public or protected member: an inline body becomes a declaration (stubbed); a declaration is stubbed."""
     code = "\n".join(code_of(m).rstrip() for m in member)
     if re.match(r"^\s*(struct|class|enum|union)\b", code):
+        if re.search(r"\bprivate\s*:", code):
+            raise OpenError(f"{where}: a nested type with a private section: the open track's reader reduces only "
+                            f"a namespace's classes; move it out of the class")
         return member  # a nested type: as it is
     brace = body_brace(code)
-    fn = parse_function(code if brace is None else code[:brace] + ";")
+    if brace is not None:  # a constructor's initializer list: the declaration ends at its ':'
+        close = matching(code, code.index("("))
+        init = re.search(r"(?<!:):(?!:)", code[close + 1:brace]) if close > 0 else None
+        if init:
+            brace = close + 1 + init.start()
+    fn = parse_at(code if brace is None else code[:brace] + ";", where)
     if brace is not None:
         if fn is None:
             raise OpenError(f"{where}: a body the parser cannot read as a member function's: '{' '.join(code.split())}'")
@@ -289,14 +331,18 @@ def reduce_member(member, cls, namespace, stubs, where):
     return member
 
 
-def keep_member(member, cls, namespace, stubs):
+def keep_member(member, cls, namespace, stubs, where):
     """A member of a class kept as it is: stubbed when it is a function declared without a body."""
     joined = " ".join(code_of(m).strip() for m in member)
-    if "{" in joined or re.match(r"^(struct|class|enum|union)\b", joined):
+    if re.match(r"^(struct|class|enum|union)\b", joined):
+        if re.search(r"\bprivate\s*:", joined):
+            raise OpenError(f"{where}: a nested type with a private section: the open track's reader reduces only "
+                            f"a namespace's classes; move it out of the class")
         return
-    fn = parse_function(joined)
-    if fn is not None and not fn[1].startswith("~") and fn[1] != cls:
-        stubs.append((namespace, cls, fn))
+    if body_brace(joined) is None and not joined.rstrip().endswith("}"):
+        fn = parse_at(joined, where)
+        if fn is not None:
+            stubs.append((namespace, cls, fn))
 
 
 def stub_source(nn, headers, stubs):
@@ -322,7 +368,8 @@ def stub_source(nn, headers, stubs):
             lines += [f"{scope}{name}() = default;", ""]
             continue
         if cls and name == cls:
-            lines.append(f"{scope}{name}({plist}) {{")
+            q = f" {quals}" if quals else ""
+            lines.append(f"{scope}{name}({plist}){q} {{")
         else:
             q = f" {quals}" if quals else ""
             lines.append(f"auto {scope}{name}({plist}){q} -> {ret} {{")
@@ -334,7 +381,7 @@ def stub_source(nn, headers, stubs):
 
 OPEN_CMAKE = """\
 # Stage {nn}, the open track: generated by tools/gen_stages.py from solutions/{name}/{manifest}.
-# The stage's library is every .cpp under src/: add your own files there (re-run cmake after adding one).
+# The stage's library is every .cpp under src/: add your own files there (the next build finds them).
 # src/not_implemented.cpp holds a stub of every public function; delete each as you define it.
 file(GLOB_RECURSE shardlab_open_sources CONFIGURE_DEPENDS ${{CMAKE_CURRENT_SOURCE_DIR}}/src/*.cpp)
 shardlab_stage_library({library} SOURCES ${{shardlab_open_sources}} LINKS {links})

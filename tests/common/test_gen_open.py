@@ -34,10 +34,22 @@ struct Options {
 /// A value type with a member defined in a source file.
 struct Shape {
   int rows = 0;
-  /// Defined out of line: stubbed.
+  /// Defined out of line: stubbed, as its constructor and its comparison.
+  explicit Shape(int r, Options options = {}) noexcept;
   int numel(int cols) const;
+  bool operator==(const Shape& other) const;
   /// Inline: kept.
   int twice() const { return 2 * rows; }
+};
+
+/// An interface with a protected constructor and default bodies: kept as it is, nothing stubbed.
+class Schedule {
+ public:
+  virtual ~Schedule() = default;
+  virtual int ahead() const { return 0; }
+
+ protected:
+  Schedule() = default;
 };
 
 /// The class the student designs.
@@ -45,6 +57,8 @@ class Wrapper : public Base {
  public:
   /// Contract of the constructor.
   Wrapper(Communicator& comm, Options options = {});
+  /// An inline constructor with an initializer list: a declaration, cut before the list.
+  explicit Wrapper(int width) noexcept : options_{width} {}
   ~Wrapper() override;
   Wrapper(const Wrapper&) = delete;
 
@@ -101,10 +115,22 @@ struct Options {
 /// A value type with a member defined in a source file.
 struct Shape {
   int rows = 0;
-  /// Defined out of line: stubbed.
+  /// Defined out of line: stubbed, as its constructor and its comparison.
+  explicit Shape(int r, Options options = {}) noexcept;
   int numel(int cols) const;
+  bool operator==(const Shape& other) const;
   /// Inline: kept.
   int twice() const { return 2 * rows; }
+};
+
+/// An interface with a protected constructor and default bodies: kept as it is, nothing stubbed.
+class Schedule {
+ public:
+  virtual ~Schedule() = default;
+  virtual int ahead() const { return 0; }
+
+ protected:
+  Schedule() = default;
 };
 
 /// The class the student designs.
@@ -112,6 +138,8 @@ class Wrapper : public Base {
  public:
   /// Contract of the constructor.
   Wrapper(Communicator& comm, Options options = {});
+  /// An inline constructor with an initializer list: a declaration, cut before the list.
+  explicit Wrapper(int width) noexcept;
   ~Wrapper() override;
   Wrapper(const Wrapper&) = delete;
 
@@ -141,6 +169,9 @@ inline int one() { return 1; }
 """
 
 STUBS = [
+    "Shape::Shape(int r, Options options) noexcept {",
+    "auto Shape::operator==(const Shape& other) const -> bool {",
+    "Wrapper::Wrapper(int width) noexcept {",
     "auto Shape::numel(int cols) const -> int {",
     'throw ::shardlab::NotImplemented("07", "Shape::numel");',
     "Wrapper::Wrapper(Communicator& comm, Options options) {",
@@ -152,7 +183,7 @@ STUBS = [
     "auto count(const std::vector<int>& v) -> int {",
     "auto tune(Options options) -> Options {",
 ]
-NOT_STUBBED = ["advance", "helper", "twice", "one()", "Wrapper(const Wrapper&)"]
+NOT_STUBBED = ["advance", "helper", "twice", "one()", "Wrapper(const Wrapper&)", "Schedule", "ahead"]
 
 
 def check(what):
@@ -240,8 +271,25 @@ class GenOpenTest(unittest.TestCase):
         self.expect_error("include/shardlab/demo/demo.h:3:", ["shardlab/demo/given.h", "does not have"],
                           "a public header including a header the open track lacks")
         self.manifest({"public": ["include/shardlab/demo/demo.h", "include/shardlab/demo/given.h"]})
-        (self.sol / "include/shardlab/demo/demo.h").write_text(PUBLIC_H.replace("  /// @endcond\n", ""))
+        header = self.sol / "include/shardlab/demo/demo.h"
+        header.write_text(PUBLIC_H.replace("  /// @endcond\n", ""))
         self.expect_error("demo.h:", ["'@cond INTERNAL' without '@endcond'"], "an internal block left open")
+        # What the line-based reader cannot read is refused, never guessed (Note [A public surface]).
+        refused = [
+            ("int count(", "namespace detail {\nint hidden();\n}\nint count(", "a namespace inside a namespace"),
+            ("class Wrapper : public Base {", "class Wrapper\n    : public Base {", "without its '{'"),
+            ("bool operator==(", "bool operator<(", "an operator with '<'"),
+            ("/// A free function: stubbed.", "/* a comment\n over lines */", "a /* comment over several lines"),
+            ("struct Options {\n  int width", "struct Options {\n  struct Inner {\n   private:\n    int x;\n  };\n  int width",
+             "a nested type with a private section"),
+            ("/// A free function: stubbed.\n", "template <typename T>\nT pick(T a);\n", "a template"),
+            ("  int width() const { return options_.width; }", "  auto width() const -> int { return 1; }",
+             "a trailing return type"),
+        ]
+        for old, new, words in refused:
+            self.assertIn(old, PUBLIC_H)
+            header.write_text(PUBLIC_H.replace(old, new, 1))
+            self.expect_error("demo.h", [words], words)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,9 @@ struct Bucket {
 ///    `find_unused_parameters` is set; otherwise backward throws std::runtime_error naming the parameters
 ///    ('c.weight', 'c.bias': in index order) and `find_unused_parameters`, once every bucket was reduced (another
 ///    rank may have had those gradients). Names in errors are quoted the same way everywhere.
+///  - A parameter becomes ready at most once per synchronized backward. One that becomes ready twice (with
+///    `find_unused_parameters`, two losses summed, the later one not using it: marked unused when backward reaches
+///    that loss, then its gradient arrives) makes backward throw std::logic_error naming it ("became ready twice").
 ///  - Frozen parameters (requires_grad false) never enter a bucket.
 ///  - The model and the Communicator must outlive the BucketedDDP. Not copyable or movable (hooks point to it).
 class BucketedDDP : public ReplicatedModel {

@@ -16,12 +16,15 @@
 ///    chunk of every unsharded gradient (rank-major). After the reduce-scatter, this rank holds row r averaged
 ///    over the ranks: exactly its sharded gradients, padding included (the padding is dropped).
 ///
-/// States: sharded --begin_unshard--> unsharding --finish_unshard--> unsharded --reshard--> sharded.
+/// States (UnitState): sharded -> unsharding (its all-gather issued) -> unsharded (copied out) -> sharded.
 ///  - sharded:    gathered buffer at 0 bytes; no all-gather in flight.
 ///  - unsharding: the all-gather is in flight into the all-gather buffer; the gathered buffer still has 0 bytes (it
 ///    gets them at copy-out, so a unit prefetched early holds only what its all-gather needs).
 ///  - unsharded:  every gathered parameter holds the full values (bit for bit the shards, cast to param dtype).
-/// begin_unshard / finish_unshard are split so that stage 05 can issue the next unit's all-gather early.
+/// @cond INTERNAL
+/// The transitions are begin_unshard, finish_unshard and reshard; begin_unshard / finish_unshard are split so that
+/// stage 05 can issue the next unit's all-gather early.
+/// @endcond
 
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/storage/buffer_pool.h"
@@ -78,10 +81,12 @@ struct FsdpParam {
 /// The parameters of one unit: sharded at construction, gathered on demand, their gradients reduce-scattered.
 ///
 /// Contract:
+/// @cond INTERNAL
 ///  - Every rank constructs the unit with the same parameters (same names, shapes and dtypes, same order) and
 ///    calls the collectives (unshard, reduce_gradients, gather_full_parameters) in the same order.
 ///  - Construction keeps this rank's shard of each parameter's current values and turns the registered tensor
 ///    into a slot of the gathered buffer; the unit starts sharded.
+/// @endcond
 ///  - The communicator, the meter and the parameters' module outlive the unit. Not copyable or movable.
 ///
 /// The wrapper's own calls (construction, the transitions, the reduction) are internal: the guided track's design
