@@ -95,6 +95,54 @@ TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
       test_group());
 }
 
+// The theory of a step of several micro-batches accumulated under no_sync (memory_theory(k, kNoSync)): the unsharded
+// gradients are kept from one micro-batch to the next (in the reduce dtype when it differs from the param dtype), and
+// the last one reduces them. The same bounds as a plain step: measured <= theory <= measured + the root's unsharded
+// gradients; the parameter peak is the plain step's, exactly. Stage 04's own check of the micro-batch branches (a
+// theory that ignores them counts too little: a buffer the theory does not count).
+TEST(FullyShardedModel, AStepOfSeveralMicroBatchesStaysWithinItsTheory) {
+  TrainConfig c = test_support::config("tiny_gpt").global_batch(12);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        for (const bool mixed : {false, true}) {
+          for (const int k : {2, 3}) {
+            Options options;
+            if (mixed) options.mixed_precision = {at::kBFloat16, at::kFloat};
+            FullyShardedModel fsdp(make_model(c, at::kCPU), comm, options);
+            auto data = make_dataset(c.model, c.seed);
+            auto step = [&](int s) {
+              auto micro = micro_batches(rank_slice(data->global_batch(s, c.global_batch), comm.rank(), 2), k);
+              for (int i = 0; i + 1 < k; ++i) {
+                auto scope = fsdp.no_sync();
+                (fsdp.loss(micro[i]) / k).backward();
+              }
+              (fsdp.loss(micro[k - 1]) / k).backward();
+            };
+            step(0);  // the sharded gradients exist from here on, as in every later step
+            for (const auto& p : fsdp.parameters()) p.mutable_grad().zero_();
+            fsdp.reset_memory_peaks();
+            step(1);
+            const MemoryTheory t = fsdp.memory_theory(k, Accumulation::kNoSync);
+            const MemoryStats& m = fsdp.memory();
+            const int64_t root_grads = fsdp.units().back()->unsharded_grad_bytes();
+            const std::string what = std::string(mixed ? "bf16 params, f32 reduce" : "f32") + ", " +
+                                     std::to_string(k) + " micro-batches";
+            if (comm.rank() == 0)
+              std::cout << what << ": gradient peak measured " << m.peak_grad_bytes << ", theory " << t.peak_grad_bytes
+                        << " (slack allowed: the root's unsharded gradients, " << root_grads
+                        << "); parameter peak measured " << m.peak_param_bytes << ", theory " << t.peak_param_bytes
+                        << "\n";
+            EXPECT_LE(m.peak_grad_bytes, t.peak_grad_bytes) << what << ": a buffer the theory does not count";
+            EXPECT_LE(t.peak_grad_bytes - m.peak_grad_bytes, root_grads) << what << ": the theory counts more";
+            EXPECT_EQ(m.peak_param_bytes, t.peak_param_bytes) << what;
+            EXPECT_EQ(m.grad_bytes, t.sharded_grad_bytes) << what << ": after the step only the sharded gradients";
+          }
+        }
+      },
+      test_group());
+}
+
 // Note [When a unit may be freed in backward] says a unit with a frozen parameter must stay gathered until the end of
 // backward, because the frozen parameter's backward node can run after the trainable gradients are all in. This
 // unit computes frozen(x) + fc(x): autograd runs fc's node first (made later), fc's gradients complete the unit, and
