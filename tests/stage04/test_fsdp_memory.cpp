@@ -126,8 +126,8 @@ TEST(FullyShardedModel, AStepOfSeveralMicroBatchesStaysWithinItsTheory) {
             const MemoryTheory t = fsdp.memory_theory(k, Accumulation::kNoSync);
             const MemoryStats& m = fsdp.memory();
             const int64_t root_grads = fsdp.units().back()->unsharded_grad_bytes();
-            const std::string what = std::string(mixed ? "bf16 params, f32 reduce" : "f32") + ", " +
-                                     std::to_string(k) + " micro-batches";
+            const std::string what =
+                std::string(mixed ? "bf16 params, f32 reduce" : "f32") + ", " + std::to_string(k) + " micro-batches";
             if (comm.rank() == 0)
               std::cout << what << ": gradient peak measured " << m.peak_grad_bytes << ", theory " << t.peak_grad_bytes
                         << " (slack allowed: the root's unsharded gradients, " << root_grads
