@@ -75,13 +75,16 @@ def braces(code):
     return code.count("{") - code.count("}")
 
 
-def matching(text, start, pairs="(<[{", closers=")>]}"):
+OPENERS, CLOSERS = "(<[{", ")>]}"  # every kind of bracket a declaration nests (templates' angles included)
+
+
+def matching(text, start):
     """Index of the bracket that closes the one at text[start] (brackets of every kind nest)."""
     depth = 0
     for i in range(start, len(text)):
-        if text[i] in pairs:
+        if text[i] in OPENERS:
             depth += 1
-        elif text[i] in closers:
+        elif text[i] in CLOSERS:
             depth -= 1
             if depth == 0:
                 return i
@@ -92,9 +95,9 @@ def split_top(text, sep):
     """Split at `sep` where no bracket is open."""
     parts, depth, cur = [], 0, []
     for c in text:
-        if c in "(<[{":
+        if c in OPENERS:
             depth += 1
-        elif c in ")>]}":
+        elif c in CLOSERS:
             depth -= 1
         if c == sep and depth == 0:
             parts.append("".join(cur))
@@ -140,9 +143,9 @@ def parse_function(decl):
                 return None
             tail = re.sub(r"\b(override|final)\b", "", tail)
             return ret, m.group(1), params, " ".join(tail.split())
-        if c in "(<[{":
+        if c in OPENERS:
             depth += 1
-        elif c in ")>]}":
+        elif c in CLOSERS:
             depth -= 1
     return None
 
@@ -155,7 +158,7 @@ def parse_at(decl, where):
         raise OpenError(f"{where}: {e}")
 
 
-def has_hidden_section(lines, start):
+def has_private_section(lines, start):
     """True when the class opened at lines[start] has a private section (its state: the student's to design)."""
     depth = 0
     for line in lines[start:]:
@@ -221,7 +224,7 @@ def public_surface(text, where):
             continue
         c = CLASS_OPEN.match(code)
         if c and not pending and depth == 1:
-            reduce = has_hidden_section(lines, i)
+            reduce = has_private_section(lines, i)
             i = reduce_class(lines, i, c.group(1), c.group(2), namespace, out, stubs, where, reduce)
             continue
         if pending or (depth == 1 and code.strip() and not code.strip().startswith("#")):
@@ -300,20 +303,27 @@ def body_brace(text):
     for k, ch in enumerate(text):
         if ch == "{" and depth == 0 and ")" in text[:k]:
             return k
-        if ch in "(<[{":
+        if ch in OPENERS:
             depth += 1
-        elif ch in ")>]}":
+        elif ch in CLOSERS:
             depth -= 1
     return None
+
+
+def nested_type(code, where):
+    """True when the member `code` defines a nested type (kept as it is); one with private state is refused."""
+    if not re.match(r"^\s*(struct|class|enum|union)\b", code):
+        return False
+    if re.search(r"\bprivate\s*:", code):
+        raise OpenError(f"{where}: a nested type with a private section: the open track's reader reduces only "
+                        f"a namespace's classes; move it out of the class")
+    return True
 
 
 def reduce_member(member, cls, namespace, stubs, where):
     """One public or protected member: an inline body becomes a declaration (stubbed); a declaration is stubbed."""
     code = "\n".join(code_of(m).rstrip() for m in member)
-    if re.match(r"^\s*(struct|class|enum|union)\b", code):
-        if re.search(r"\bprivate\s*:", code):
-            raise OpenError(f"{where}: a nested type with a private section: the open track's reader reduces only "
-                            f"a namespace's classes; move it out of the class")
+    if nested_type(code, where):
         return member  # a nested type: as it is
     brace = body_brace(code)
     if brace is not None:  # a constructor's initializer list: the declaration ends at its ':'
@@ -334,10 +344,7 @@ def reduce_member(member, cls, namespace, stubs, where):
 def keep_member(member, cls, namespace, stubs, where):
     """A member of a class kept as it is: stubbed when it is a function declared without a body."""
     joined = " ".join(code_of(m).strip() for m in member)
-    if re.match(r"^(struct|class|enum|union)\b", joined):
-        if re.search(r"\bprivate\s*:", joined):
-            raise OpenError(f"{where}: a nested type with a private section: the open track's reader reduces only "
-                            f"a namespace's classes; move it out of the class")
+    if nested_type(joined, where):
         return
     if body_brace(joined) is None and not joined.rstrip().endswith("}"):
         fn = parse_at(joined, where)
