@@ -42,12 +42,13 @@ TEST_P(MeshSave, TheShardedWrapperSavesOneReplicaAndNaiveDdpLoadsItBitForBit) {
       [&](World& world) {
         Mesh mesh(world, replicas, shards);
         auto dp = parallelize(make_model(c.model, c.seed), mesh);
-        ASSERT_NE(dp->sharded(), nullptr) << shape << " gives a sharded wrapper";
-        EXPECT_EQ(dp->sharded()->mesh_info().replicas(), replicas);
-        EXPECT_EQ(dp->sharded()->mesh_info().replica(), mesh.replica_index());
+        auto* sharded = dp->facet<fsdp::FullyShardedModel>();
+        ASSERT_NE(sharded, nullptr) << shape << " gives a sharded wrapper";
+        EXPECT_EQ(sharded->mesh_info().replicas(), replicas);
+        EXPECT_EQ(sharded->mesh_info().replica(), mesh.replica_index());
         auto opt = make_optimizer("adamw", dp->parameters(), 0.01);
         test_support::train(*dp, *opt, world.world(), c, 0, 1);
-        dp->sharded()->save_checkpoint(dir / "ckpt", opt.get(), {{"mesh", shape}});  // not DataParallel's
+        sharded->save_checkpoint(dir / "ckpt", opt.get(), {{"mesh", shape}});  // not DataParallel's
         auto full = dp->full_parameters();
         if (world.rank() == 0) before = full;
       },

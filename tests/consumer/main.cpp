@@ -13,6 +13,7 @@
 #include <shardlab/core/checkpoint/checkpoint.h>
 #include <shardlab/core/comm/world.h>
 #include <shardlab/core/model/model.h>
+#include <shardlab/core/parallel/standard_facets.h>
 #include <shardlab/hsdp/parallelize.h>
 
 #include <ATen/ATen.h>
@@ -115,9 +116,13 @@ int main() {
     // 0's (the reference's start).
     auto dp = c.shard > 1 ? shardlab::parallelize([] { return std::make_shared<ResidualNet>(kSeed); }, mesh)
                           : shardlab::parallelize(std::make_shared<ResidualNet>(kSeed + rank), mesh);
-    if (dp->kind_name() != c.kind) {
-      std::cout << "consumer: a " << mesh.to_string() << " mesh gave " << dp->kind_name() << "; expected " << c.kind
-                << std::endl;
+    // What the shape gave, by the facets it offers: DDP its buckets; FSDP and HSDP measured memory and the switch
+    // for the all-reduce across replicas.
+    const bool sharded = dp->facet<shardlab::MemoryFacet>() != nullptr && dp->facet<shardlab::ReplicaSync>() != nullptr;
+    const bool buckets = dp->facet<shardlab::bucketed_ddp::BucketedDDP>() != nullptr;
+    if (sharded != (c.shard > 1) || buckets != (c.shard == 1)) {
+      std::cout << "consumer: a " << mesh.to_string() << " mesh gave " << (buckets ? "buckets" : "no buckets")
+                << " and " << (sharded ? "" : "no ") << "sharded facets; expected " << c.kind << "'s" << std::endl;
       ok = false;
     }
     auto opt = adamw(dp->parameters());  // DDP: the replica's parameters; FSDP and HSDP: this rank's shards
@@ -127,7 +132,7 @@ int main() {
       const shardlab::Batch mine = global_batch(step).slice(rank * slice, slice);
       if (c.defer) {  // two micro-batches: reduce-scatter both, all-reduce across the replicas once
         for (int half = 0; half < 2; ++half) {
-          dp->set_requires_all_reduce(half == 1);
+          dp->facet<shardlab::ReplicaSync>()->set_requires_all_reduce(half == 1);
           (dp->loss(mine.slice(half * slice / 2, slice / 2)) / 2).backward();
         }
       } else {
@@ -137,7 +142,7 @@ int main() {
     }
     const double diff = max_diff(dp->full_parameters(), reference->parameters());  // a collective
     const bool held = diff <= 1e-5;
-    std::cout << "consumer: " << dp->kind_name() << " on a " << mesh.to_string() << " mesh, rank " << rank
+    std::cout << "consumer: " << c.kind << " on a " << mesh.to_string() << " mesh, rank " << rank
               << (c.defer ? " (2 micro-batches, all-reduce deferred)" : "")
               << " vs one device: max parameter difference " << diff << " (allowed 1e-5)" << (held ? "" : " FAILED")
               << std::endl;

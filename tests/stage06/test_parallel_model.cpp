@@ -1,11 +1,11 @@
-// The library's one wrapper interface (core/model/parallel_model.h): a training loop that knows only ParallelModel
+// The library's one wrapper interface (core/parallel/parallel_model.h): a training loop that knows only ParallelModel
 // trains every wrapper of the course like one device, and each wrapper answers for the full model alike, whether its
 // parameters are visited one at a time, copied, or named in the state dict. (Given code, tested where it meets the
 // stage's task: parallelize's sharded shapes fail on the starter, so the test does.)
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/core/comm/thread_ranks.h"
 #include "shardlab/core/comm/world.h"
-#include "shardlab/core/model/parallel_model.h"
+#include "shardlab/core/parallel/parallel_model.h"
 #include "shardlab/core/storage/buffer_pool.h"
 #include "shardlab/course/reference.h"
 #include "shardlab/fsdp/fsdp.h"
@@ -141,7 +141,7 @@ TEST(ParallelizePolicy, TheBufferPolicyDecidesWhetherTheUnitsBuffersComeFromTheP
           policy.buffers.pool = pool;
           auto dp = parallelize(make_model(c, at::kCPU), mesh, policy);
           test_support::train_steps(world.world(), c, dp->parameters(), at::kCPU, *dp);
-          stats[world.rank()] = dp->sharded()->pool_stats();
+          stats[world.rank()] = dp->facet<fsdp::FullyShardedModel>()->pool_stats();
         },
         test_group());
     for (int r = 0; r < 2; ++r) {

@@ -165,6 +165,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   r.strategy = o.strategy;
   r.description = strategy.description;
   r.construction = strategy.construction;
+  r.bytes_note = strategy.bytes_note;
   r.shards = strategy.can.shards;
   r.memory_limit_mib = o.memory_limit_mib;
   r.world_size = o.world_size;

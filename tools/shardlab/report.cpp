@@ -56,8 +56,7 @@ void print_report(const RunReport& r) {
       std::cout << "    on the " << role << " group: " << g.collectives << " collectives (theory "
                 << g.collectives_theory << "), " << static_cast<int64_t>(g.bytes) << " bytes (theory "
                 << static_cast<int64_t>(g.bytes_theory) << ")\n";
-  if (r.bytes_per_step != r.bytes_per_step_theory && r.strategy == "hook_bf16")
-    std::cout << "  (the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks])\n";
+  if (r.bytes_per_step != r.bytes_per_step_theory && !r.bytes_note.empty()) std::cout << "  (" << r.bytes_note << ")\n";
   if (r.buckets > 0) std::cout << "  buckets: " << r.buckets << "\n";
   if (r.auto_caps.size() == 6)
     std::cout << "  auto caps (chosen after step 2): first " << r.auto_caps[0] / 1024 << " KiB, then "

@@ -80,6 +80,7 @@ struct RunReport {
   std::vector<double> construction_rss_bytes;
   /// How each rank built the model (Strategy::construction): "sharded", or "whole: " and why.
   std::string construction;
+  std::string bytes_note;         ///< why the bytes may differ from theory (Strategy::bytes_note); not in the JSON
   bool shards = false;            ///< the strategy shards its parameters (Capabilities::shards): its memory is measured
   int memory_limit_mib = 0;       ///< --memory-limit-mib (0: none)
   bool pool_buffers = true;       ///< FSDP: --pool-buffers

@@ -9,8 +9,7 @@
 #include "shardlab/core/errors.h"
 #include "shardlab/core/model/grad_clip.h"
 #include "shardlab/course/data.h"
-#include "shardlab/fsdp/fsdp.h"
-#include "shardlab/hsdp/parallelize.h"
+#include "shardlab/core/parallel/standard_facets.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -68,32 +67,20 @@ MemoryFigures replica_memory(const Model& model) {
   return m;
 }
 
-// What a runner reads beyond ParallelModel, from the wrapper that has it: stage 02's buckets, FSDP's own memory
-// figures and counters (a DataParallel answers for the wrapper it holds).
-struct WrapperParts {
-  bucketed_ddp::BucketedDDP* ddp = nullptr;
-  fsdp::FullyShardedModel* sharded = nullptr;
-};
-WrapperParts parts_of(ParallelModel& wrapper) {
-  if (auto* dp = dynamic_cast<DataParallel*>(&wrapper)) return {dp->ddp(), dp->sharded()};
-  return {dynamic_cast<bucketed_ddp::BucketedDDP*>(&wrapper), dynamic_cast<fsdp::FullyShardedModel*>(&wrapper)};
-}
-
 // Runs micro-batches and the optimizer on any ParallelModel, which decides how gradients are synchronized. With an
 // `overlapped` optimizer (stage 03's hook_then_optimizer, already in the wrapper's reducer) the synchronized
-// backward steps the parameters itself, and there is no optimizer step after it. `keep` is whatever the wrapper
-// needs alive until it is gone (HSDP's mesh).
+// backward steps the parameters itself, and there is no optimizer step after it. What only some wrappers have it
+// asks for as facets (Note [Facets, not downcasts]): buckets, measured memory, a step after the optimizer.
 class WrappedRunner : public StepRunner {
  public:
   WrappedRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<ParallelModel> wrapper,
                 std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr,
-                std::shared_ptr<void> keep = nullptr, MicroBatchHook accumulation = nullptr)
-      : keep_(std::move(keep)),
-        accumulation_(std::move(accumulation)),
+                MicroBatchHook accumulation = nullptr)
+      : accumulation_(std::move(accumulation)),
         config_(c),
         model_(std::move(model)),
         wrapper_(std::move(wrapper)),
-        parts_(parts_of(*wrapper_)),
+        memory_facet_(wrapper_->facet<MemoryFacet>()),
         overlapped_(std::move(overlapped)),
         optimizer_(overlapped_ ? nullptr : make_optimizer(c.optimizer, wrapper_->parameters(), c.lr)) {
     // check_run_options refuses --clip-norm for a strategy that steps inside backward (Capabilities::clips)
@@ -106,7 +93,7 @@ class WrappedRunner : public StepRunner {
       overlapped_->zero_grad();
     else
       compat::zero_grad(*optimizer_);
-    if (parts_.sharded) parts_.sharded->reset_memory_peaks();  // FSDP measures its own buffers, per step
+    if (memory_facet_) memory_facet_->reset_memory_peaks();  // a wrapper that measures its own buffers, per step
     const int m = config_.micro_batches;
     double loss_sum = 0;
     auto micro = micro_batches(local, m);
@@ -138,6 +125,7 @@ class WrappedRunner : public StepRunner {
       }
       Timeline::Scope span(timeline_, "optimizer", step);
       optimizer_->step();
+      if (auto* seam = wrapper_->facet<StepSeam>()) seam->after_optimizer_step();
     }
     const MemoryFigures now = step_memory();
     memory_.peak_param_bytes = std::max(memory_.peak_param_bytes, now.peak_param_bytes);
@@ -156,17 +144,20 @@ class WrappedRunner : public StepRunner {
     for (const auto& item : model_->named_parameters()) out.emplace_back(item.key(), item.value().sizes().vec());
     return out;
   }
-  size_t buckets() const override { return parts_.ddp != nullptr ? parts_.ddp->buckets().size() : 0; }
+  size_t buckets() const override {
+    const auto* ddp = wrapper_->facet<bucketed_ddp::BucketedDDP>();
+    return ddp != nullptr ? ddp->buckets().size() : 0;
+  }
   MemoryFigures memory() const override { return memory_; }
   void set_timeline(Timeline* timeline) override {
     timeline_ = timeline;
-    if (parts_.sharded) parts_.sharded->record_memory_samples(timeline != nullptr);
+    if (memory_facet_) memory_facet_->record_memory_samples(timeline != nullptr);
   }
-  // Trace counters: FSDP's bytes held over time; nothing for the others.
+  // Trace counters: the bytes a wrapper that measures its memory held over time; nothing for the others.
   std::vector<CounterSample> counters() const override {
     std::vector<CounterSample> out;
-    if (!parts_.sharded) return out;
-    for (const auto& s : parts_.sharded->memory_samples())
+    if (!memory_facet_) return out;
+    for (const auto& s : memory_facet_->memory_samples())
       out.push_back(
           {"fsdp memory",
            s.ns,
@@ -183,26 +174,24 @@ class WrappedRunner : public StepRunner {
   }
 
  protected:
-  // What it reads beyond ParallelModel (AutoCapsRunner: its bucketed DDP).
-  const WrapperParts& parts() const { return parts_; }
+  // The wrapper, for a runner that reads a facet of its own (AutoCapsRunner: the buckets).
+  ParallelModel& wrapper() const { return *wrapper_; }
 
  private:
-  // Per step: FSDP's measured peaks beside its theory; the others hold a full replica.
+  // Per step: a wrapper's measured peaks beside its theory; a replica holds the full model.
   MemoryFigures step_memory() const {
-    if (!parts_.sharded) return replica_memory(*model_);
-    const fsdp::MemoryTheory t = parts_.sharded->memory_theory(
-        config_.micro_batches, accumulation_ ? fsdp::Accumulation::kReduce : fsdp::Accumulation::kNoSync);
-    const fsdp::MemoryStats& m = parts_.sharded->memory();
-    return {static_cast<double>(m.peak_param_bytes), static_cast<double>(t.peak_param_bytes),
-            static_cast<double>(m.peak_grad_bytes), static_cast<double>(t.peak_grad_bytes)};
+    if (!memory_facet_) return replica_memory(*model_);
+    const shardlab::MemoryFigures m =
+        memory_facet_->memory_figures(config_.micro_batches, /*reduce_each_micro_batch=*/accumulation_ != nullptr);
+    return {static_cast<double>(m.peak_param_bytes), static_cast<double>(m.peak_param_bytes_theory),
+            static_cast<double>(m.peak_grad_bytes), static_cast<double>(m.peak_grad_bytes_theory)};
   }
 
-  std::shared_ptr<void> keep_;  // first: destroyed after the wrapper
   MicroBatchHook accumulation_;
   TrainConfig config_;
   std::shared_ptr<Model> model_;
   std::unique_ptr<ParallelModel> wrapper_;
-  WrapperParts parts_;                                           // into *wrapper_
+  MemoryFacet* memory_facet_;                                    // the wrapper's, or null
   std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped_;  // null: optimizer_ steps after backward
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   MemoryFigures memory_;
@@ -230,7 +219,9 @@ class AutoCapsRunner : public WrappedRunner {
 
  private:
   void tune() {
-    bucketed_ddp::BucketedDDP& ddp = *parts().ddp;
+    auto* buckets = wrapper().facet<bucketed_ddp::BucketedDDP>();
+    SHARDLAB_INTERNAL_ASSERT(buckets != nullptr, "auto caps on a wrapper without buckets");
+    bucketed_ddp::BucketedDDP& ddp = *buckets;
     const size_t first_record = comm_.recorder().size();
     const bucketed_ddp::LinkCost cost = bucketed_ddp::measure_all_reduce_cost(comm_, device_);
     const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
@@ -270,9 +261,9 @@ std::unique_ptr<ParallelModel> single_device(std::shared_ptr<Model> model) {
 std::unique_ptr<StepRunner> wrapped_runner(const TrainConfig& c, std::shared_ptr<Model> model,
                                            std::unique_ptr<ParallelModel> wrapper,
                                            std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped,
-                                           std::shared_ptr<void> keep, MicroBatchHook accumulation) {
+                                           MicroBatchHook accumulation) {
   return std::make_unique<WrappedRunner>(c, std::move(model), std::move(wrapper), std::move(overlapped),
-                                         std::move(keep), std::move(accumulation));
+                                         std::move(accumulation));
 }
 
 std::unique_ptr<StepRunner> auto_caps_runner(const TrainConfig& c, std::shared_ptr<Model> model,

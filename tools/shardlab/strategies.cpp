@@ -7,9 +7,11 @@
 #include "shardlab/comm_hooks/comm_hook.h"
 #include "shardlab/comm_hooks/optimizer_overlap.h"
 #include "shardlab/core/device/device.h"
+#include "shardlab/core/errors.h"
+#include "shardlab/core/parallel/standard_facets.h"
 #include "shardlab/course/data.h"
+#include "shardlab/course/model_factory.h"
 #include "shardlab/fsdp/fsdp.h"
-#include "shardlab/hsdp/hsdp.h"
 #include "shardlab/hsdp/parallelize.h"
 #include "shardlab/naive_ddp/naive_ddp.h"
 #include "shardlab/prefetch/prefetch.h"
@@ -57,7 +59,7 @@ Capabilities sharded(bool prefetches, bool mesh) {
 bucketed_ddp::Options ddp_options(const StrategyOptions& s, const std::string& model) {
   bucketed_ddp::Options o;
   o.caps = caps(s);
-  o.find_unused_parameters = model == "edge";  // it leaves `sometimes` without gradient on odd steps
+  o.find_unused_parameters = leaves_parameters_unused(model);
   return o;
 }
 
@@ -71,7 +73,8 @@ std::unique_ptr<StepRunner> bucketed_runner(const TrainConfig& c, const Strategy
 }
 
 // A strategy that runs BucketedDDP with one of stage 03's hooks ("" = stage 02's plain all-reduce of the average).
-Strategy bucketed(std::string name, std::string description, std::string hook, double scale) {
+Strategy bucketed(std::string name, std::string description, std::string hook, double scale,
+                  std::string bytes_note = "") {
   return {std::move(name),
           std::move(description),
           in_buckets(false),
@@ -85,7 +88,8 @@ Strategy bucketed(std::string name, std::string description, std::string hook, d
               options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, world->world()));
             return bucketed_runner(c, s, world->world(), model, std::move(options));
           },
-          kWholeReplica};
+          kWholeReplica,
+          std::move(bytes_note)};
 }
 
 // Bucketed DDP whose buckets step their own parameters as their averages land (stage 03's hook_then_optimizer):
@@ -106,7 +110,8 @@ Strategy overlapped_optimizer() {
             options.reducer = comm_hooks::hook_then_optimizer(nullptr, optimizer);
             return bucketed_runner(c, s, world->world(), model, std::move(options), optimizer);
           },
-          kWholeReplica};
+          kWholeReplica,
+          ""};
 }
 
 fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
@@ -115,7 +120,7 @@ fsdp::Options fsdp_options(const StrategyOptions& s, const std::string& model) {
   o.pool_buffers = s.pool_buffers;
   if (!s.param_dtype.empty()) o.mixed_precision.param_dtype = fsdp::parse_dtype(s.param_dtype);
   if (!s.reduce_dtype.empty()) o.mixed_precision.reduce_dtype = fsdp::parse_dtype(s.reduce_dtype);
-  o.allow_unused_parameters = model == "edge";  // `sometimes` has no gradient on odd steps
+  o.allow_unused_parameters = leaves_parameters_unused(model);
   return o;
 }
 
@@ -143,7 +148,6 @@ std::unique_ptr<StepRunner> fsdp_runner(const TrainConfig& c, const StrategyOpti
 // before the last run under no_sync, or with the all-reduce across replicas deferred (--defer-all-reduce true).
 std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOptions& s, World* world) {
   const auto [replicas, shards] = mesh_shape(s, world->size());
-  auto mesh = std::make_shared<Mesh>(*world, replicas, shards);
   const fsdp::Options units = fsdp_options(s, c.model);
   ParallelPolicy policy;
   policy.mixed_precision = units.mixed_precision;
@@ -152,13 +156,15 @@ std::unique_ptr<StepRunner> hsdp_runner(const TrainConfig& c, const StrategyOpti
   policy.reduction.allow_unused_parameters = units.allow_unused_parameters;
   policy.buffers.pool = units.pool_buffers;
   std::shared_ptr<Model> model;
-  auto dp = parallelize(sharded_builder(c, model), *mesh, policy, parse_device(c.device));
+  auto dp = parallelize(sharded_builder(c, model), std::make_shared<Mesh>(*world, replicas, shards), policy,
+                        parse_device(c.device));
   MicroBatchHook accumulation;
   if (s.defer_all_reduce) {  // on a 1xS mesh too: every micro-batch reduce-scattered, as hsdp_traffic counts
-    fsdp::FullyShardedModel* sharded = dp->sharded();  // S > 1: parallelize gave the hybrid wrapper, R = 1 or not
-    accumulation = [sharded](bool last) { hsdp::set_requires_all_reduce(*sharded, last); };
+    ReplicaSync* sync = dp->facet<ReplicaSync>();  // S > 1: the hybrid wrapper's, R = 1 or not
+    SHARDLAB_INTERNAL_ASSERT(sync != nullptr, "parallelize gave no ReplicaSync on a mesh with S > 1");
+    accumulation = [sync](bool last) { sync->set_requires_all_reduce(last); };
   }
-  return wrapped_runner(c, model, std::move(dp), nullptr, std::move(mesh), std::move(accumulation));
+  return wrapped_runner(c, model, std::move(dp), nullptr, std::move(accumulation));
 }
 
 }  // namespace
@@ -171,29 +177,30 @@ const std::vector<Strategy>& strategies() {
          auto model = model_on_device(c);
          return wrapped_runner(c, model, single_device(model));
        },
-       "whole: one device holds the model"},
+       "whole: one device holds the model", ""},
       {"naive_ddp", "stage 01: one all-reduce per parameter gradient", Capabilities{},
        [](const Model& m, int, const StrategyOptions&, const TrainConfig&) { return per_parameter_all_reduce(m); },
        [](const TrainConfig& c, const StrategyOptions&, World* world) -> std::unique_ptr<StepRunner> {
          auto model = model_on_device(c);
          return wrapped_runner(c, model, std::make_unique<naive_ddp::NaiveDDP>(model, world->world()));
        },
-       kWholeReplica},
+       kWholeReplica, ""},
       bucketed("bucketed_ddp", "stage 02: flat buckets, async all-reduce overlapped with backward", "", 1.0),
       bucketed("hook_allreduce", "stage 03: buckets through the fp32 hook (pre/post divide)", "allreduce", 1.0),
       bucketed("hook_fp16", "stage 03: buckets compressed to fp16 on the wire", "fp16", 0.5),
-      bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5),
+      bucketed("hook_bf16", "stage 03: buckets compressed to bf16 (Gloo 1.13: sent as f32)", "bf16", 0.5,
+               "the backend cannot reduce bf16 and sent it as f32: Gloo 1.13, see Note [Fallbacks]"),
       overlapped_optimizer(),
       {"fsdp", "stage 04: sharded units, all-gather before use, reduce-scatter of gradients", sharded(false, false),
        fsdp_traffic,
        [](const TrainConfig& c, const StrategyOptions& s, World* world) { return fsdp_runner(c, s, world, false); },
-       "sharded"},
+       "sharded", ""},
       {"fsdp_prefetch", "stage 05: FSDP with the next units' all-gathers in flight while this unit computes",
        sharded(true, false), fsdp_traffic,
        [](const TrainConfig& c, const StrategyOptions& s, World* world) { return fsdp_runner(c, s, world, true); },
-       "sharded"},
+       "sharded", ""},
       {"hsdp", "stage 06: sharded within each replica of an RxS mesh, all-reduced across replicas (--mesh)",
-       sharded(true, true), hsdp_traffic, hsdp_runner, "sharded"},
+       sharded(true, true), hsdp_traffic, hsdp_runner, "sharded", ""},
   };
   return all;
 }

@@ -1,6 +1,7 @@
 #pragma once
 // The strategies `shardlab train` and `shardlab compare` know. Extension point: a later stage adds one entry to
-// strategies() in strategies.cpp (a name, a theory of its traffic, and a factory for its StepRunner).
+// strategies() in strategies.cpp, a Strategy: its name, a description, its Capabilities, a theory of its traffic, a
+// factory for its StepRunner, how it builds the model, and (optionally) why its bytes may differ from theory.
 
 #include "options.h"
 
@@ -35,10 +36,10 @@ struct AutoCapsFigures {
   double buckets_theory = 0;
 };
 
-/// Trains one rank's share: owns the model, its data-parallel wrapper and the optimizer.
 /// What StepRunner::visit_full_parameters calls with each parameter.
 using ParameterVisitor = std::function<void(const at::Tensor& full)>;
 
+/// Trains one rank's share: owns the model, its data-parallel wrapper and the optimizer.
 class StepRunner {
  public:
   virtual ~StepRunner() = default;
@@ -120,6 +121,8 @@ struct Strategy {
   /// How each rank builds the model, for the report: "sharded" (unit by unit, Note [Sharded construction]), or
   /// "whole: " and why this strategy cannot do otherwise.
   std::string construction;
+  /// What the report says when the bytes measured differ from theory ("" for nothing): a known cause.
+  std::string bytes_note;
 };
 
 /// The mesh of a strategy on a mesh, on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the

@@ -134,6 +134,12 @@ const std::vector<std::string>& model_names() {
   return names;
 }
 
+bool leaves_parameters_unused(const std::string& name) {
+  if (name == "mlp" || name == "tiny_gpt") return false;
+  if (name == "edge") return true;  // `sometimes` is used on even steps only
+  throw std::invalid_argument("unknown model '" + name + "'; expected one of: mlp, tiny_gpt, edge");
+}
+
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
   if (name == "mlp") return std::make_shared<Mlp>(std::vector<int64_t>{16, 64, 64, 4}, seed);
   if (name == "tiny_gpt") {

@@ -65,6 +65,8 @@ BucketedDDP::BucketedDDP(std::shared_ptr<Model> module, Communicator& comm, Opti
   lay_out(order);
   readiness_ = std::make_unique<GradientReadiness>(
       params_, [this](size_t i) { on_gradient_ready(i); }, [this] { finish_sync(); });
+  // Its buckets are a facet (Note [Facets, not downcasts]): a loop or a facade reaches them as facet<BucketedDDP>().
+  facets_.add<BucketedDDP>(this);
 }
 
 BucketedDDP::~BucketedDDP() {

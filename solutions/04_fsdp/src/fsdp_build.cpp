@@ -265,6 +265,7 @@ void FullyShardedModel::finish_construction() {
   readiness_ = std::make_unique<GradientReadiness>(
       watched_, [this](size_t g) { on_gradient_ready(g); }, [this] { end_of_backward(); });
   reset_iteration();
+  offer_facets();
 }
 
 }  // namespace shardlab::fsdp

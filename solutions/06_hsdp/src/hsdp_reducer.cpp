@@ -120,13 +120,33 @@ int64_t HsdpReducer::partial_bytes() const {
   return partial_.defined() ? static_cast<int64_t>(partial_.numel() * partial_.element_size()) : 0;
 }
 
-fsdp::ReducerFactory hsdp_reducers(Wire wire) {
-  return [wire](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
+void HsdpSwitch::set_requires_all_reduce(bool requires_all_reduce) {
+  requires_all_reduce_ = requires_all_reduce;
+  for (const auto& weak : reducers_)
+    if (auto reducer = weak.lock()) reducer->set_requires_all_reduce(requires_all_reduce);
+}
+
+void HsdpSwitch::add(const std::shared_ptr<HsdpReducer>& reducer) {
+  SHARDLAB_INTERNAL_ASSERT(reducer != nullptr, "HsdpSwitch::add: a null reducer");
+  reducer->set_requires_all_reduce(requires_all_reduce_);
+  reducers_.push_back(reducer);
+}
+
+size_t HsdpSwitch::size() const {
+  size_t alive = 0;
+  for (const auto& weak : reducers_) alive += weak.expired() ? 0 : 1;
+  return alive;
+}
+
+fsdp::ReducerFactory hsdp_reducers(Wire wire, std::shared_ptr<HsdpSwitch> sync) {
+  return [wire, sync = std::move(sync)](const fsdp::ReducerRequest& request) -> std::shared_ptr<fsdp::GradientReducer> {
     if (request.mesh.replicate == nullptr)
       throw std::invalid_argument("hsdp_reducers: unit '" + request.unit +
                                   "' is on a mesh without a replicate group (FSDP on one group); build "
                                   "FullyShardedModel on hsdp::mesh_info(mesh)");
-    return std::make_shared<HsdpReducer>(*request.mesh.shard, *request.mesh.replicate, wire);
+    auto reducer = std::make_shared<HsdpReducer>(*request.mesh.shard, *request.mesh.replicate, wire);
+    if (sync) sync->add(reducer);
+    return reducer;
   };
 }
 

@@ -13,56 +13,31 @@
 
 namespace shardlab {
 
-DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp)
-    : model_(std::move(model)), mesh_(mesh), ddp_(ddp.get()), wrapper_(std::move(ddp)) {
-  SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null DDP wrapper");
-}
-
-DataParallel::DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded)
-    : model_(std::move(model)), mesh_(mesh), sharded_(sharded.get()), wrapper_(std::move(sharded)) {
-  SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null sharded wrapper");
+DataParallel::DataParallel(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh,
+                           std::unique_ptr<ParallelModel> wrapper)
+    : mesh_(std::move(mesh)), model_(std::move(model)), wrapper_(std::move(wrapper)) {
+  SHARDLAB_INTERNAL_ASSERT(wrapper_ != nullptr, "DataParallel: a null wrapper");
+  facets_.adopt(wrapper_->facets());
 }
 
 DataParallel::~DataParallel() = default;
 
-DataParallel::Kind DataParallel::kind() const {
-  if (ddp_ != nullptr) return Kind::kDdp;
-  return mesh_.replicate_size() == 1 ? Kind::kFsdp : Kind::kHsdp;
-}
-
-std::string DataParallel::kind_name() const {
-  switch (kind()) {
-    case Kind::kDdp:
-      return "ddp";
-    case Kind::kFsdp:
-      return "fsdp";
-    case Kind::kHsdp:
-      return "hsdp";
-  }
-  return "?";
-}
-
-void DataParallel::set_requires_all_reduce(bool requires_all_reduce) {
-  if (kind() != Kind::kHsdp)
-    throw std::invalid_argument(
-        "DataParallel::set_requires_all_reduce: only HSDP (a mesh of R > 1 replicas and S > 1 "
-        "shards) has an all-reduce across replicas to defer; this is " +
-        kind_name() + " on a " + mesh_.to_string() + " mesh (use no_sync() to accumulate)");
-  hsdp::set_requires_all_reduce(*sharded_, requires_all_reduce);
-}
-
 namespace {
 
+// A mesh the caller keeps alive: shared without ownership.
+std::shared_ptr<Mesh> borrowed(Mesh& mesh) { return {std::shared_ptr<Mesh>(), &mesh}; }
+
 // S = 1: stage 02's bucketed DDP over the replicas (every rank, since S = 1).
-std::unique_ptr<DataParallel> replicated(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
+std::unique_ptr<DataParallel> replicated(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh,
+                                         const ParallelPolicy& policy) {
   bucketed_ddp::Options options;
   options.find_unused_parameters = policy.reduction.allow_unused_parameters;
   if (policy.reduction.wire != Wire::kReduceDtype) {
     const std::string hook = wire_name(policy.reduction.wire);
-    options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, mesh.replicate_group()));
+    options.reducer = comm_hooks::as_bucket_reducer(comm_hooks::make_hook(hook, mesh->replicate_group()));
   }
-  auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, mesh.replicate_group(), std::move(options));
-  return std::make_unique<DataParallel>(std::move(model), mesh, std::move(ddp));
+  auto ddp = std::make_unique<bucketed_ddp::BucketedDDP>(model, mesh->replicate_group(), std::move(options));
+  return std::make_unique<DataParallel>(std::move(model), std::move(mesh), std::move(ddp));
 }
 
 void check_policy(const Mesh& mesh, const ParallelPolicy& policy) {
@@ -84,32 +59,44 @@ fsdp::Options sharded_options(const ParallelPolicy& policy) {
 
 }  // namespace
 
-std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
+std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh,
+                                          const ParallelPolicy& policy) {
   if (!model) throw std::invalid_argument("parallelize: expected a model; got null");
-  check_policy(mesh, policy);
-  if (mesh.shard_size() == 1) return replicated(std::move(model), mesh, policy);
-  auto sharded = hsdp::fully_shard_hybrid(model, mesh, sharded_options(policy), policy.reduction.wire);
+  if (!mesh) throw std::invalid_argument("parallelize: expected a mesh; got null");
+  check_policy(*mesh, policy);
+  if (mesh->shard_size() == 1) return replicated(std::move(model), std::move(mesh), policy);
+  auto sharded = hsdp::fully_shard_hybrid(model, *mesh, sharded_options(policy), policy.reduction.wire);
   prefetch::enable_prefetch(*sharded, policy.prefetch);
-  return std::make_unique<DataParallel>(std::move(model), mesh, std::move(sharded));
+  return std::make_unique<DataParallel>(std::move(model), std::move(mesh), std::move(sharded));
 }
 
-std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh, const ParallelPolicy& policy,
-                                          const c10::Device& device) {
+std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy) {
+  return parallelize(std::move(model), borrowed(mesh), policy);
+}
+
+std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, std::shared_ptr<Mesh> mesh,
+                                          const ParallelPolicy& policy, const c10::Device& device) {
   if (!build) throw std::invalid_argument("parallelize: expected a model builder; got an empty function");
-  check_policy(mesh, policy);
+  if (!mesh) throw std::invalid_argument("parallelize: expected a mesh; got null");
+  check_policy(*mesh, policy);
   std::shared_ptr<Model> model;
   const ModelBuilder keep = [&] { return model = build(); };
-  if (mesh.shard_size() == 1) {  // DDP holds the whole model on every rank: built whole, then broadcast as always
-    run_agreed(mesh.world().world(), "parallelize: building the model", [&] {
+  if (mesh->shard_size() == 1) {  // DDP holds the whole model on every rank: built whole, then broadcast as always
+    run_agreed(mesh->world().world(), "parallelize: building the model", [&] {
       keep();
       if (!model) throw std::invalid_argument("parallelize: the model builder returned a null pointer");
       model->to(device);
     });
-    return replicated(std::move(model), mesh, policy);
+    return replicated(std::move(model), std::move(mesh), policy);
   }
-  auto sharded = hsdp::fully_shard_hybrid(keep, mesh, sharded_options(policy), policy.reduction.wire, device);
+  auto sharded = hsdp::fully_shard_hybrid(keep, *mesh, sharded_options(policy), policy.reduction.wire, device);
   prefetch::enable_prefetch(*sharded, policy.prefetch);
-  return std::make_unique<DataParallel>(std::move(model), mesh, std::move(sharded));
+  return std::make_unique<DataParallel>(std::move(model), std::move(mesh), std::move(sharded));
+}
+
+std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh, const ParallelPolicy& policy,
+                                          const c10::Device& device) {
+  return parallelize(build, borrowed(mesh), policy, device);
 }
 
 }  // namespace shardlab

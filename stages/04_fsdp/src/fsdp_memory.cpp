@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -152,6 +153,34 @@ MemoryTheory FullyShardedModel::memory_theory(int micro_batches, Accumulation ac
   t.peak_param_bytes = parameter_peak(t.ahead);
   t.peak_grad_bytes = gradient_peak(micro_batches, accumulation);
   return t;
+}
+
+namespace {
+
+// FSDP's measured memory beside its theory, as the facet every loop reads (standard_facets.h).
+class FsdpMemory : public MemoryFacet {
+ public:
+  explicit FsdpMemory(FullyShardedModel& fsdp) : fsdp_(fsdp) {}
+  void reset_memory_peaks() override { fsdp_.reset_memory_peaks(); }
+  MemoryFigures memory_figures(int micro_batches, bool reduce_each_micro_batch) const override {
+    const MemoryTheory t =
+        fsdp_.memory_theory(micro_batches, reduce_each_micro_batch ? Accumulation::kReduce : Accumulation::kNoSync);
+    const MemoryStats& m = fsdp_.memory();
+    return {m.peak_param_bytes, t.peak_param_bytes, m.peak_grad_bytes, t.peak_grad_bytes};
+  }
+  void record_memory_samples(bool on) override { fsdp_.record_memory_samples(on); }
+  std::vector<MemorySample> memory_samples() const override { return fsdp_.memory_samples(); }
+
+ private:
+  FullyShardedModel& fsdp_;
+};
+
+}  // namespace
+
+void FullyShardedModel::offer_facets() {
+  facets_.add<FullyShardedModel>(this);  // its units, mesh, schedule and pool, to whoever holds a facade
+  auto memory = std::make_shared<FsdpMemory>(*this);
+  facets_.add<MemoryFacet>(memory.get(), memory);
 }
 
 }  // namespace shardlab::fsdp

@@ -2,7 +2,9 @@
 
 #include "shardlab/core/errors.h"
 
+#include <memory>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -10,14 +12,22 @@ namespace shardlab::hsdp {
 
 namespace {
 
-// The options of FSDP on the mesh that make it HSDP. @throws as fully_shard_hybrid for options HSDP sets.
-fsdp::Options hybrid_options(fsdp::Options options, Wire wire) {
+// The options of FSDP on the mesh that make it HSDP, its reducers added to `sync`. @throws as fully_shard_hybrid
+// for options HSDP sets.
+fsdp::Options hybrid_options(fsdp::Options options, Wire wire, std::shared_ptr<HsdpSwitch> sync) {
   if (options.reducer)
     throw std::invalid_argument(
         "fully_shard_hybrid: expected Options::reducer empty (HSDP reduces with its own HsdpReducer); got one set. "
         "Choose the wire with the `wire` argument");
-  options.reducer = hsdp_reducers(wire);
+  options.reducer = hsdp_reducers(wire, std::move(sync));
   return options;
+}
+
+// The hybrid wrapper offers its reducers' switch as its ReplicaSync facet (Note [Facets, not downcasts]).
+std::unique_ptr<fsdp::FullyShardedModel> with_switch(std::unique_ptr<fsdp::FullyShardedModel> fsdp,
+                                                     std::shared_ptr<HsdpSwitch> sync) {
+  fsdp->attach<ReplicaSync>(std::move(sync));
+  return fsdp;
 }
 
 }  // namespace
@@ -30,27 +40,31 @@ fsdp::MeshInfo mesh_info(Mesh& mesh) {
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
                                                             fsdp::Options options, Wire wire) {
   if (!model) throw std::invalid_argument("fully_shard_hybrid: expected a model; got a null pointer");
-  return std::make_unique<fsdp::FullyShardedModel>(std::move(model), mesh_info(mesh),
-                                                   hybrid_options(std::move(options), wire));
+  auto sync = std::make_shared<HsdpSwitch>();
+  return with_switch(std::make_unique<fsdp::FullyShardedModel>(std::move(model), mesh_info(mesh),
+                                                               hybrid_options(std::move(options), wire, sync)),
+                     sync);
 }
 
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& build, Mesh& mesh,
                                                             fsdp::Options options, Wire wire,
                                                             const c10::Device& device) {
-  return std::make_unique<fsdp::FullyShardedModel>(build, mesh_info(mesh), hybrid_options(std::move(options), wire),
-                                                   device);
+  auto sync = std::make_shared<HsdpSwitch>();
+  return with_switch(std::make_unique<fsdp::FullyShardedModel>(build, mesh_info(mesh),
+                                                               hybrid_options(std::move(options), wire, sync), device),
+                     sync);
 }
 
 void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce) {
-  std::vector<HsdpReducer*> reducers;
-  for (const auto& unit : fsdp.units()) {
-    auto* hsdp = dynamic_cast<HsdpReducer*>(&unit->reducer());
-    if (hsdp == nullptr)
-      throw std::invalid_argument("set_requires_all_reduce: unit '" + unit->name() + "' reduces with '" +
-                                  unit->reducer().name() + "'; expected an HSDP wrapper (fully_shard_hybrid)");
-    reducers.push_back(hsdp);
+  auto* sync = fsdp.facet<ReplicaSync>();
+  if (sync == nullptr) {
+    const std::string reducer = fsdp.units().empty() ? "no reducer" : "'" + fsdp.units().front()->reducer().name() + "'";
+    throw std::invalid_argument("set_requires_all_reduce: expected an HSDP wrapper (fully_shard_hybrid), which has an "
+                                "all-reduce across replicas to defer; got a wrapper whose units reduce with " +
+                                reducer + " (unit '" + (fsdp.units().empty() ? "" : fsdp.units().front()->name()) +
+                                "')");
   }
-  for (HsdpReducer* r : reducers) r->set_requires_all_reduce(requires_all_reduce);
+  sync->set_requires_all_reduce(requires_all_reduce);
 }
 
 }  // namespace shardlab::hsdp

@@ -8,6 +8,7 @@
 #include <string>
 
 // Note [Freeing storage that autograd saved]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // FSDP frees a unit's gathered parameters after its forward and gathers them again before its backward. Autograd
 // saved some of those tensors in the forward (a Linear saves its weight to compute the input's gradient), so the
 // memory must go while the *tensors* stay valid, and come back holding the same values before backward reads them.

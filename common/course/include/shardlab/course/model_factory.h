@@ -18,6 +18,11 @@ namespace shardlab {
 /// Names accepted by make_model: "mlp", "tiny_gpt", "edge".
 const std::vector<std::string>& model_names();
 
+/// True when model `name` leaves a trainable parameter without a gradient in some steps ("edge": on odd steps), so
+/// that a wrapper must be told to allow it (DDP's find_unused_parameters, FSDP's allow_unused_parameters).
+/// @throws std::invalid_argument naming the accepted models if `name` is unknown.
+bool leaves_parameters_unused(const std::string& name);
+
 /// Transformer blocks of "tiny_gpt" when nothing else is asked for (each block is one unit).
 constexpr int64_t kDefaultGptLayers = 4;
 

@@ -4,6 +4,8 @@
 /// step is *measured* (what was really held), not computed from a formula. The formula (MemoryTheory) is printed
 /// beside it.
 
+#include "shardlab/core/parallel/standard_facets.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -24,12 +26,8 @@ struct MemoryStats {
   int64_t peak_grad_bytes = 0;   ///< most held at once since the last reset_peaks()
 };
 
-/// What was held right after one allocation or free.
-struct MemorySample {
-  int64_t ns = 0;           ///< steady_clock time (now_ns)
-  int64_t param_bytes = 0;  ///< parameter bytes held from then on
-  int64_t grad_bytes = 0;   ///< gradient bytes held from then on
-};
+/// What was held right after one allocation or free (the core's, which MemoryFacet hands out).
+using MemorySample = shardlab::MemorySample;
 
 /// Counts allocations and frees. One per rank; used from the training (and backward) thread only.
 class MemoryMeter {

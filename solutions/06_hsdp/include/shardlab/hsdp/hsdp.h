@@ -31,7 +31,9 @@ fsdp::MeshInfo mesh_info(Mesh& mesh);
 /// replica starts from the same values, not only every rank of a row), with an HsdpReducer per unit on the mesh's
 /// groups. `options.reducer` must be empty (HSDP sets it); everything else of stage 04 and 05
 /// (mixed precision, reshard after forward, no_sync, prefetch through prefetch::enable_prefetch) works unchanged.
-/// The model and the mesh must outlive the wrapper. A collective on the whole world.
+/// The wrapper offers the facet ReplicaSync (standard_facets.h): its reducers' HsdpSwitch, which
+/// set_requires_all_reduce below flips. The model and the mesh must outlive the wrapper. A collective on the whole
+/// world.
 /// @throws std::invalid_argument for a null model or a reducer already set in `options`, and as
 ///         FullyShardedModel does, before any collective.
 std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(std::shared_ptr<Model> model, Mesh& mesh,
@@ -56,7 +58,8 @@ std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& 
 /// true; each unit then reduce-scatters every micro-batch and all-reduces once. Unlike `no_sync()` (which skips
 /// both collectives and keeps the unsharded gradients, one full unit per unit), the deferred micro-batches hold
 /// only one row per unit. Call on every rank alike, between backward passes.
-/// @throws std::invalid_argument when a unit's reducer is not an HsdpReducer (a wrapper that is not HSDP).
+/// @throws std::invalid_argument when `fsdp` has no ReplicaSync facet (a wrapper not made by fully_shard_hybrid),
+///         naming its units' reducer.
 void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce);
 
 }  // namespace shardlab::hsdp

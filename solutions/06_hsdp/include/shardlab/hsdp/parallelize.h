@@ -20,7 +20,7 @@
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
-#include "shardlab/core/model/parallel_model.h"
+#include "shardlab/core/parallel/parallel_model.h"
 #include "shardlab/fsdp/fsdp.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
 #include "shardlab/prefetch/prefetch_policy.h"
@@ -65,27 +65,22 @@ struct ParallelPolicy {
 };
 
 /// A model trained data-parallel on a mesh: what parallelize() returns. A ParallelModel (parallel_model.h) that
-/// hands every call to the wrapper the mesh's shape gave, so a training loop holds a `ParallelModel&` whatever
-/// the shape; what only one wrapper has is reached through ddp() or sharded(). Owns the wrapper and shares the
-/// model; the mesh (and the World it was made of) must outlive it. Every collective is over the wrapper's groups:
-/// construction, checkpoints and clipping over the whole mesh.
+/// hands every call to the wrapper the mesh's shape gave, so a training loop holds a `ParallelModel&` whatever the
+/// shape, and offers that wrapper's facets (Note [Facets, not downcasts]):
+///  - DDP (S = 1): bucketed_ddp::BucketedDDP, its buckets;
+///  - FSDP and HSDP (S > 1): MemoryFacet, the measured memory beside its theory, and ReplicaSync, the all-reduce
+///    across replicas deferred for accumulation. On one replica (R = 1) there is no all-reduce: deferring then
+///    reduce-scatters every micro-batch and keeps the rows (one row per unit, where no_sync keeps the unsharded
+///    gradients), and the step's gradients are the same.
+/// Owns the wrapper, shares the model and the mesh. Every collective is over the wrapper's groups: construction,
+/// checkpoints and clipping over the whole mesh.
 class DataParallel : public ParallelModel {
  public:
-  /// Which wrapper the mesh's shape gave.
-  enum class Kind { kDdp, kFsdp, kHsdp };
-
-  /// Wraps a bucketed DDP (S = 1).
-  DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp);
-  /// Wraps an FSDP (R = 1) or HSDP wrapper.
-  DataParallel(std::shared_ptr<Model> model, Mesh& mesh, std::unique_ptr<fsdp::FullyShardedModel> sharded);
+  /// Wraps `wrapper`, which trains `model` on `mesh`; adopts its facets. @throws InternalError for a null wrapper.
+  DataParallel(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh, std::unique_ptr<ParallelModel> wrapper);
   ~DataParallel() override;
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
-
-  /// DDP, FSDP or HSDP: what the mesh's shape gave.
-  Kind kind() const;
-  /// "ddp", "fsdp" or "hsdp".
-  std::string kind_name() const;
 
   // ParallelModel, as the wrapper answers it (BucketedDDP's or FullyShardedModel's contract): parameters() are the
   // replica's trainable parameters (DDP) or this rank's shards (FSDP, HSDP); full_*() gather under FSDP and HSDP;
@@ -111,28 +106,20 @@ class DataParallel : public ParallelModel {
     return wrapper_->load_checkpoint(path, optimizer, optimizer_if_saved, names);
   }
 
-  /// HSDP: defers (false) or restores (true) the all-reduce across replicas, for accumulation (see
-  /// hsdp::set_requires_all_reduce). @throws std::invalid_argument for DDP and FSDP, which have no such all-reduce.
-  void set_requires_all_reduce(bool requires_all_reduce);
-  /// The FSDP or HSDP wrapper (null for DDP): its memory figures, units, observer.
-  fsdp::FullyShardedModel* sharded() { return sharded_; }
-  /// The DDP wrapper (null for FSDP and HSDP): its buckets.
-  bucketed_ddp::BucketedDDP* ddp() { return ddp_; }
-  /// The mesh it runs on.
-  Mesh& mesh() { return mesh_; }
-
  private:
+  std::shared_ptr<Mesh> mesh_;              // first: the wrapper's groups outlive it
   std::shared_ptr<Model> model_;
-  Mesh& mesh_;
-  bucketed_ddp::BucketedDDP* ddp_ = nullptr;    // wrapper_ when it is DDP
-  fsdp::FullyShardedModel* sharded_ = nullptr;  // wrapper_ when it is FSDP or HSDP
-  std::unique_ptr<ParallelModel> wrapper_;      // never null
+  std::unique_ptr<ParallelModel> wrapper_;  // never null
 };
 
 /// Wraps `model` for data parallelism on `mesh` as its shape says (see the file comment), with `policy`. Every
-/// rank of the mesh's world calls it alike; a collective over the whole world.
-/// @throws std::invalid_argument for a null model, and for mixed precision under DDP (S = 1: bucketed DDP computes
-///         in the parameters' dtype), before any collective; and as the wrapper's constructor does.
+/// rank of the mesh's world calls it alike; a collective over the whole world. The wrapper shares `mesh`, which
+/// lives as long as either; the World it was made of must outlive both.
+/// @throws std::invalid_argument for a null model or mesh, and for mixed precision under DDP (S = 1: bucketed DDP
+///         computes in the parameters' dtype), before any collective; and as the wrapper's constructor does.
+std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh,
+                                          const ParallelPolicy& policy = {});
+/// As above, on a mesh the caller keeps alive as long as the wrapper.
 std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& mesh, const ParallelPolicy& policy = {});
 
 /// parallelize for a model larger than one rank: the model is built by `build` inside the wrapper, and under FSDP
@@ -141,10 +128,14 @@ std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, Mesh& me
 /// seed). Under DDP (S = 1) the model is built whole, since every rank holds all of it anyway, and broadcast as the
 /// other overload does. A collective over the whole world.
 /// @param build makes the model on the CPU, each unit initialized before it registers it (model.h).
-/// @param mesh R replicas x S shards: its shape picks DDP, FSDP or HSDP.
+/// @param mesh R replicas x S shards: its shape picks DDP, FSDP or HSDP; shared as the other overload's.
 /// @param policy as the other overload's.
 /// @param device where the model's parameters go (each unit as it is built).
 /// @throws as the other overload, and as FullyShardedModel's sharded construction.
+std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, std::shared_ptr<Mesh> mesh,
+                                          const ParallelPolicy& policy = {},
+                                          const c10::Device& device = c10::Device(c10::kCPU));
+/// As above, on a mesh the caller keeps alive as long as the wrapper.
 std::unique_ptr<DataParallel> parallelize(const ModelBuilder& build, Mesh& mesh, const ParallelPolicy& policy = {},
                                           const c10::Device& device = c10::Device(c10::kCPU));
 

@@ -22,7 +22,7 @@
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
-#include "shardlab/core/model/parallel_model.h"
+#include "shardlab/core/parallel/parallel_model.h"
 #include "shardlab/naive_ddp/broadcast_state.h"
 
 #include <cstddef>

@@ -17,12 +17,15 @@
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/comm/wire.h"
 #include "shardlab/core/comm/world.h"
+#include "shardlab/core/parallel/standard_facets.h"
 #include "shardlab/fsdp/reducer.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace shardlab::hsdp {
 
@@ -92,10 +95,28 @@ class HsdpReducer final : public fsdp::GradientReducer {
   uint64_t generation_ = 0;  // bumped by discard(): deferred calls of an older generation keep nothing
 };
 
+/// The switch of every HsdpReducer one wrapper's factory made: the hybrid wrapper's ReplicaSync facet
+/// (standard_facets.h), which fully_shard_hybrid attaches, so that deferring reaches every unit's reducer without
+/// asking a unit what its reducer is.
+class HsdpSwitch : public ReplicaSync {
+ public:
+  /// Sets every reducer added so far (HsdpReducer::set_requires_all_reduce), and those added later.
+  void set_requires_all_reduce(bool requires_all_reduce) override;
+  /// Adds `reducer`, giving it the switch's current setting; the switch does not keep it alive.
+  void add(const std::shared_ptr<HsdpReducer>& reducer);
+  /// How many reducers it sets (those still alive).
+  size_t size() const;
+
+ private:
+  bool requires_all_reduce_ = true;
+  std::vector<std::weak_ptr<HsdpReducer>> reducers_;
+};
+
 /// The ReducerFactory of HSDP: each unit gets an HsdpReducer on the shard and replicate groups of the wrapper's
-/// mesh (ReducerRequest::mesh, from the MeshInfo FullyShardedModel was built on: mesh_info(mesh) in hsdp.h).
+/// mesh (ReducerRequest::mesh, from the MeshInfo FullyShardedModel was built on: mesh_info(mesh) in hsdp.h), added
+/// to `sync` when one is given.
 /// @throws std::invalid_argument (from a request) when the wrapper's mesh has no replicate group (a MeshInfo of
 ///         FSDP on one group).
-fsdp::ReducerFactory hsdp_reducers(Wire wire = Wire::kReduceDtype);
+fsdp::ReducerFactory hsdp_reducers(Wire wire = Wire::kReduceDtype, std::shared_ptr<HsdpSwitch> sync = nullptr);
 
 }  // namespace shardlab::hsdp

@@ -29,7 +29,7 @@
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
-#include "shardlab/core/model/parallel_model.h"
+#include "shardlab/core/parallel/parallel_model.h"
 
 #include <cstddef>
 #include <functional>
@@ -82,6 +82,8 @@ struct Bucket {
 ///    that loss, then its gradient arrives) makes backward throw std::logic_error naming it ("became ready twice").
 ///  - Frozen parameters (requires_grad false) never enter a bucket.
 ///  - The model and the Communicator must outlive the BucketedDDP. Not copyable or movable (hooks point to it).
+///  - It offers itself as the facet BucketedDDP (parallel/facets.h): a loop that holds any ParallelModel reaches
+///    the buckets, caps and backward profile below as `wrapper.facet<bucketed_ddp::BucketedDDP>()`.
 class BucketedDDP : public ReplicatedModel {
  public:
   /// Broadcasts the model's state from rank 0, lays gradients out in buckets (reverse registration order) and

@@ -32,7 +32,7 @@
 #include "shardlab/core/model/grad_ready.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
-#include "shardlab/core/model/parallel_model.h"
+#include "shardlab/core/parallel/parallel_model.h"
 #include "shardlab/fsdp/fsdp_unit.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mesh_info.h"
@@ -172,6 +172,9 @@ struct MemoryTheory {
 ///    once every other one was waited for; nothing stays pending, and the wrapper is as it was.
 ///  - The model and the Communicator must outlive the wrapper. Not copyable or movable (hooks point to it). After
 ///    the wrapper is gone the model's registered parameters have no storage: read `full_parameters()` before.
+///  - It offers two facets (parallel/facets.h) to a loop or a facade that holds any ParallelModel: MemoryFacet
+///    (standard_facets.h: memory() beside memory_theory() below), and itself, FullyShardedModel, for what only it has
+///    (its units, mesh, schedule and pool).
 class FullyShardedModel : public ParallelModel {
  public:
   /// Broadcasts the model's state from rank 0 of the mesh, shards every unit and the root over `mesh.shard`, and

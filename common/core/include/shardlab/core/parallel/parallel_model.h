@@ -3,7 +3,8 @@
 /// What every data-parallel wrapper offers, whatever it does with the gradients: naive and bucketed DDP (a whole
 /// replica on every rank), FSDP and HSDP (shards), and what parallelize() returns. Code that trains a model (a
 /// training loop, the `shardlab` tool, a test that runs every strategy alike) holds a `ParallelModel&` and never
-/// asks which wrapper it has; what only one wrapper has (buckets, units, memory figures) stays on that wrapper.
+/// asks which wrapper it has; what only some wrappers have (measured memory, buckets, the all-reduce across
+/// replicas, a step after the optimizer) it asks for as a facet (facets.h, standard_facets.h).
 ///
 /// Vocabulary:
 ///  - *full*: as one device holds the model, unsharded, every parameter whole.
@@ -13,12 +14,14 @@
 #include "shardlab/core/checkpoint/checkpoint.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/model/no_sync.h"
+#include "shardlab/core/parallel/facets.h"
 
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,6 +75,26 @@ class ParallelModel {
   virtual std::map<std::string, std::string> load_checkpoint(const std::string& path,
                                                              torch::optim::Optimizer* optimizer,
                                                              bool optimizer_if_saved, const SavedNames& names) = 0;
+
+  /// The facet F of this wrapper (facets.h), or null when it has none: a loop asks for what it uses, never which
+  /// wrapper it holds. Valid as long as the wrapper.
+  template <class F>
+  F* facet() const {
+    return facets_.get<F>();
+  }
+  /// Every facet this wrapper offers (a facade adopts those of the wrapper it holds).
+  const Facets& facets() const { return facets_; }
+  /// Adds facet F from outside the wrapper: an extension that works beside it (for example a StepSeam of an
+  /// optimizer that shards its state). The wrapper keeps `part` alive. Call it before training, on every rank alike.
+  template <class F>
+  void attach(std::shared_ptr<F> part) {
+    F* raw = part.get();
+    facets_.add<F>(raw, std::move(part));
+  }
+
+ protected:
+  /// What the wrapper offers: each wrapper registers its own parts in its constructor.
+  Facets facets_;
 };
 
 /// A ParallelModel whose every rank holds the whole model (DDP, one device): it answers for the full model from its
