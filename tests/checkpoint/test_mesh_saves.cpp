@@ -1,6 +1,7 @@
 // A sharded wrapper saves through its own save_checkpoint on any mesh (issue 33): the mesh description says which
 // ranks write (the first replica's) and over which group the ranks agree (the whole mesh), so FSDP made by
-// parallelize on a 1xN mesh and HSDP on 2x2 both save through sharded(), and another wrapper loads it bit for bit.
+// parallelize on a 1xN mesh and HSDP on 2x2 both save through the FullyShardedModel they offer (its facet), and another
+// wrapper loads it bit for bit.
 #include "shardlab/core/checkpoint/checkpoint.h"
 #include "shardlab/core/comm/thread_ranks.h"
 #include "shardlab/core/compat.h"

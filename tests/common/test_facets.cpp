@@ -28,8 +28,8 @@ class Toy : public ParallelModel, public ReplicaSync, public MemoryFacet {
   std::vector<at::Tensor> full_parameters() override { return {}; }
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict() override { return {}; }
   double clip_grad_norm(double, double) override { return 0; }
-  void save_checkpoint(const std::string&, torch::optim::Optimizer*, const std::map<std::string, std::string>&) override {
-  }
+  void save_checkpoint(const std::string&, torch::optim::Optimizer*,
+                       const std::map<std::string, std::string>&) override {}
   std::map<std::string, std::string> load_checkpoint(const std::string&, torch::optim::Optimizer*, bool,
                                                      const SavedNames&) override {
     return {};
@@ -65,6 +65,15 @@ TEST(Facets, AWrapperOffersItsPartsByTypeAndNothingElse) {
   ASSERT_NE(toy.facet<MemoryFacet>(), nullptr);
   EXPECT_EQ(toy.facet<MemoryFacet>()->memory_figures(3, false).peak_param_bytes, 3);
   EXPECT_EQ(toy.facet<StepSeam>(), nullptr) << "a facet the wrapper does not offer is null";
+  EXPECT_EQ(&toy.required_facet<ReplicaSync>("a switch"), toy.facet<ReplicaSync>());
+  try {
+    toy.required_facet<StepSeam>("a step after the optimizer");
+    ADD_FAILURE() << "required_facet returned a facet the wrapper does not offer";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("expected a wrapper that offers a step after the optimizer"),
+              std::string::npos)
+        << e.what();
+  }
   EXPECT_EQ(toy.facet<Toy>(), nullptr) << "a facet is found by the type it was offered as, not by the class";
 }
 

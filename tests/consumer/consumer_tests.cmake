@@ -3,7 +3,8 @@
 set(_prefix ${CMAKE_BINARY_DIR}/consumer-install)
 set(_build ${CMAKE_BINARY_DIR}/consumer-build)
 add_test(NAME package_install
-  COMMAND ${CMAKE_COMMAND} --install ${CMAKE_BINARY_DIR} --prefix ${_prefix})
+  COMMAND ${CMAKE_COMMAND} -DBUILD=${CMAKE_BINARY_DIR} -DPREFIX=${_prefix}
+          -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/install_fresh.cmake)
 add_test(NAME package_consumer_build
   COMMAND ${CMAKE_COMMAND} -E env --unset=CMAKE_PREFIX_PATH
           ${CMAKE_CTEST_COMMAND} --build-and-test ${CMAKE_CURRENT_SOURCE_DIR}/consumer ${_build}

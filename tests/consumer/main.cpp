@@ -132,7 +132,7 @@ int main() {
       const shardlab::Batch mine = global_batch(step).slice(rank * slice, slice);
       if (c.defer) {  // two micro-batches: reduce-scatter both, all-reduce across the replicas once
         for (int half = 0; half < 2; ++half) {
-          dp->facet<shardlab::ReplicaSync>()->set_requires_all_reduce(half == 1);
+          dp->required_facet<shardlab::ReplicaSync>("HSDP's deferred all-reduce").set_requires_all_reduce(half == 1);
           (dp->loss(mine.slice(half * slice / 2, slice / 2)) / 2).backward();
         }
       } else {

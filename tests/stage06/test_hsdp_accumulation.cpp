@@ -129,6 +129,9 @@ TEST(HsdpAccumulation, ABackwardThatThrowsLeavesNoPartialBehind) {
 }
 
 // set_requires_all_reduce is for HSDP wrappers: on stage 04's FSDP it is an error naming the unit and its reducer.
+// It reaches the reducers through the switch the wrapper offers (its ReplicaSync facet): fully_shard_hybrid attaches
+// one; a wrapper built by hand gets one by attaching the switch its reducers were made with, and without it is refused
+// with a message that says how.
 TEST(HsdpAccumulation, DeferringOnAWrapperThatIsNotHsdpIsAnError) {
   TrainConfig c = test_support::config("mlp");
   run_world(
@@ -145,6 +148,26 @@ TEST(HsdpAccumulation, DeferringOnAWrapperThatIsNotHsdpIsAnError) {
         } catch (const std::invalid_argument& e) {
           EXPECT_NE(std::string(e.what()).find("reduce_scatter"), std::string::npos) << e.what();
         }
+        // By hand, as fully_shard_hybrid builds it: the switch reaches every unit's reducer once attached.
+        auto sync = std::make_shared<HsdpSwitch>();
+        fsdp::Options options;
+        options.reducer = hsdp_reducers(Wire::kReduceDtype, sync);
+        FullyShardedModel by_hand(make_model(c, at::kCPU), mesh_info(mesh), options);
+        EXPECT_EQ(sync->size(), by_hand.units().size()) << "one HsdpReducer per unit in the switch";
+        try {
+          set_requires_all_reduce(by_hand, false);
+          ADD_FAILURE() << "a wrapper without a switch accepted set_requires_all_reduce";
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("attach<ReplicaSync>(sync)"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("'hsdp'"), std::string::npos) << e.what();
+        }
+        by_hand.attach<ReplicaSync>(sync);
+        set_requires_all_reduce(by_hand, false);
+        for (const auto& unit : by_hand.units())
+          EXPECT_TRUE(unit->reducer().name() == "hsdp" &&
+                      !static_cast<const HsdpReducer&>(unit->reducer()).requires_all_reduce())
+              << "unit '" << unit->name() << "' still all-reduces after set_requires_all_reduce(false)";
+        set_requires_all_reduce(by_hand, true);
       },
       test_group());
 }

@@ -33,8 +33,11 @@ for f in files:
 doc = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
 listed = set(re.findall(r"Note \[([^\]]+)\]", re.sub(r"\s+", " ", doc)))
 # Each source named in the list, "(file.cpp)", is where the Notes listed since the previous one are defined.
-in_list = doc[doc.find("is listed here"):]
-in_list = re.sub(r"\s+", " ", in_list[:in_list.find("- **Headers are contracts.**")])
+start, end = doc.find("is listed here"), doc.find("- **Headers are contracts.**")
+if start < 0 or end < start:
+    sys.exit("check_notes: docs/architecture.md lost the list of Notes (\"is listed here\" ... \"- **Headers are "
+             "contracts.**\"); the check cannot tell under which source each Note is filed")
+in_list = re.sub(r"\s+", " ", doc[start:end])
 pending, misfiled = [], []
 for tok in re.finditer(r"Note \[([^\]]+)\]|\(([\w./-]+\.(?:cpp|h|cmake|py))\)", in_list):
     if tok.group(1):
@@ -46,6 +49,8 @@ for tok in re.finditer(r"Note \[([^\]]+)\]|\(([\w./-]+\.(?:cpp|h|cmake|py))\)", 
             misfiled.append(f"check_notes: docs/architecture.md files Note [{name}] under {tok.group(2)}; it is "
                             f"defined in {where}")
     pending = []
+misfiled += [f"check_notes: docs/architecture.md lists Note [{name}] after the last source it names; say where it is "
+             f"defined" for name in pending]
 missing = sorted(set(defined) - listed)
 stale = sorted(n for n in listed - set(defined) if n != "Name")
 for name in missing:

@@ -8,8 +8,8 @@
 #include "shardlab/core/compat.h"
 #include "shardlab/core/errors.h"
 #include "shardlab/core/model/grad_clip.h"
-#include "shardlab/course/data.h"
 #include "shardlab/core/parallel/standard_facets.h"
+#include "shardlab/course/data.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>

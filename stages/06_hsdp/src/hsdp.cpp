@@ -58,11 +58,15 @@ std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& 
 void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce) {
   auto* sync = fsdp.facet<ReplicaSync>();
   if (sync == nullptr) {
-    const std::string reducer = fsdp.units().empty() ? "no reducer" : "'" + fsdp.units().front()->reducer().name() + "'";
-    throw std::invalid_argument("set_requires_all_reduce: expected an HSDP wrapper (fully_shard_hybrid), which has an "
-                                "all-reduce across replicas to defer; got a wrapper whose units reduce with " +
-                                reducer + " (unit '" + (fsdp.units().empty() ? "" : fsdp.units().front()->name()) +
-                                "')");
+    const std::string units = fsdp.units().empty()
+                                  ? "it has no units"
+                                  : "its units reduce with '" + fsdp.units().front()->reducer().name() + "' (unit '" +
+                                        fsdp.units().front()->name() + "')";
+    throw std::invalid_argument(
+        "set_requires_all_reduce: expected an HSDP wrapper with its reducers' switch (fully_shard_hybrid attaches it; "
+        "by hand: Options::reducer = hsdp_reducers(wire, sync), then attach<ReplicaSync>(sync)); this wrapper has "
+        "none, and " +
+        units);
   }
   sync->set_requires_all_reduce(requires_all_reduce);
 }

@@ -58,8 +58,8 @@ std::unique_ptr<fsdp::FullyShardedModel> fully_shard_hybrid(const ModelBuilder& 
 /// true; each unit then reduce-scatters every micro-batch and all-reduces once. Unlike `no_sync()` (which skips
 /// both collectives and keeps the unsharded gradients, one full unit per unit), the deferred micro-batches hold
 /// only one row per unit. Call on every rank alike, between backward passes.
-/// @throws std::invalid_argument when `fsdp` has no ReplicaSync facet (a wrapper not made by fully_shard_hybrid),
-///         naming its units' reducer.
+/// @throws std::invalid_argument when `fsdp` has no ReplicaSync facet (not made by fully_shard_hybrid, nor given an
+///         HsdpSwitch by hand: hsdp_reducers(wire, sync) and attach<ReplicaSync>(sync)), naming its units' reducer.
 void set_requires_all_reduce(fsdp::FullyShardedModel& fsdp, bool requires_all_reduce);
 
 }  // namespace shardlab::hsdp

@@ -107,7 +107,7 @@ class DataParallel : public ParallelModel {
   }
 
  private:
-  std::shared_ptr<Mesh> mesh_;              // first: the wrapper's groups outlive it
+  std::shared_ptr<Mesh> mesh_;  // first: the wrapper's groups outlive it
   std::shared_ptr<Model> model_;
   std::unique_ptr<ParallelModel> wrapper_;  // never null
 };

@@ -22,6 +22,15 @@ namespace shardlab {
 /// extension before training), then read.
 class Facets {
  public:
+  Facets() = default;
+  /// Not copyable: a copy that outlived its wrapper would hand out parts that point into the dead wrapper (adopt()
+  /// is how a facade shares them, while it holds the wrapper).
+  Facets(const Facets&) = delete;
+  Facets& operator=(const Facets&) = delete;
+  Facets(Facets&&) = default;
+  Facets& operator=(Facets&&) = default;
+  ~Facets() = default;
+
   /// Registers `part` as facet F, replacing an earlier F. `keep` (optional) is owned by the set, for a part that
   /// lives outside the wrapper.
   template <class F>
@@ -34,7 +43,8 @@ class Facets {
     const auto it = entries_.find(std::type_index(typeid(F)));
     return it == entries_.end() ? nullptr : static_cast<F*>(it->second.part);
   }
-  /// Adds every facet of `other` that this set lacks (a facade offering what it wraps), sharing their keep-alives.
+  /// Adds every facet of `other` that this set lacks (a facade offering what it wraps), sharing their keep-alives. A
+  /// copy of what `other` holds now: a facet added to `other` later is not seen here.
   void adopt(const Facets& other) {
     for (const auto& [type, entry] : other.entries_) entries_.emplace(type, entry);
   }

@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -82,7 +83,17 @@ class ParallelModel {
   F* facet() const {
     return facets_.get<F>();
   }
-  /// Every facet this wrapper offers (a facade adopts those of the wrapper it holds).
+  /// The facet F of this wrapper, which the caller needs: `what` names it in the error.
+  /// @throws std::invalid_argument naming `what` when the wrapper does not offer F.
+  template <class F>
+  F& required_facet(const std::string& what) const {
+    F* part = facets_.get<F>();
+    if (part == nullptr)
+      throw std::invalid_argument("expected a wrapper that offers " + what + "; this one does not (it offers " +
+                                  std::to_string(facets_.size()) + " facets: see what its class documents)");
+    return *part;
+  }
+  /// Every facet this wrapper offers (a facade adopts those of the wrapper it holds when it is built).
   const Facets& facets() const { return facets_; }
   /// Adds facet F from outside the wrapper: an extension that works beside it (for example a StepSeam of an
   /// optimizer that shards its state). The wrapper keeps `part` alive. Call it before training, on every rank alike.
