@@ -135,7 +135,7 @@ TEST(FullyShardedModel, EachUnitGetsItsOwnReducerFromTheFactory) {
         std::vector<std::string> requests, calls;
         Options options;
         options.reducer = [&](const ReducerRequest& request) -> std::shared_ptr<GradientReducer> {
-          EXPECT_EQ(request.shard_group, &comm) << request.unit << ": the unit is sharded over the wrapper's group";
+          EXPECT_EQ(request.mesh.shard, &comm) << request.unit << ": the unit is sharded over the wrapper's group";
           requests.push_back(request.unit + "#" + std::to_string(request.index));
           return std::make_shared<CountingReducer>(hook_reducers("reduce_scatter")(request), &calls, request.unit);
         };

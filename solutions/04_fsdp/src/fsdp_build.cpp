@@ -75,7 +75,7 @@ void FullyShardedModel::prepare_options() {
 }
 
 std::shared_ptr<GradientReducer> FullyShardedModel::make_reducer(const std::string& unit, size_t index) {
-  auto reducer = options_.reducer(ReducerRequest{unit, index, &comm_, mesh_});
+  auto reducer = options_.reducer(ReducerRequest{unit, index, mesh_});
   if (!reducer)
     throw std::invalid_argument("FullyShardedModel: Options::reducer gave no reducer for unit '" + unit +
                                 "'; expected one per unit");

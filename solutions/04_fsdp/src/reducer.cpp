@@ -35,14 +35,15 @@ ReducerFactory hook_reducers(const std::string& name) {
     throw std::invalid_argument("hook_reducers: hook '" + name +
                                 "' cannot reduce-scatter; expected reduce_scatter, fp16 or bf16");
   return [name](const ReducerRequest& request) {
-    if (request.shard_group == nullptr)
-      throw std::invalid_argument("hook_reducers('" + name + "'): unit '" + request.unit + "' came without a group");
+    if (request.mesh.shard == nullptr)
+      throw std::invalid_argument("hook_reducers('" + name + "'): unit '" + request.unit +
+                                  "' came without a shard group (ReducerRequest::mesh.shard)");
     if (request.mesh.replicas() > 1)  // one phase: the replicas would drift apart, silently
       throw std::invalid_argument("hook_reducers('" + name + "'): unit '" + request.unit + "' is on a mesh of " +
                                   std::to_string(request.mesh.replicas()) +
                                   " replicas, which a reduce-scatter in the shard group alone leaves apart; expected "
                                   "a reducer with a second phase across the replicas (hsdp::hsdp_reducers)");
-    return hook_reducer(comm_hooks::make_hook(name, *request.shard_group));
+    return hook_reducer(comm_hooks::make_hook(name, *request.mesh.shard));
   };
 }
 

@@ -72,12 +72,12 @@ class GradientReducer {
   virtual void discard() {}
 };
 
-/// What FullyShardedModel tells a ReducerFactory about the unit it wants a reducer for.
+/// What FullyShardedModel tells a ReducerFactory about the unit it wants a reducer for. The groups come from one
+/// place, the wrapper's mesh: the unit is sharded over `mesh.shard`; a second phase runs on `mesh.replicate` (HSDP).
 struct ReducerRequest {
-  std::string unit;                     ///< the unit's name ("block0", "root")
-  size_t index = 0;                     ///< its index in FullyShardedModel::units()
-  Communicator* shard_group = nullptr;  ///< the group the unit is sharded over (not owned; outlives the reducer)
-  MeshInfo mesh;                        ///< the wrapper's mesh: a second phase's groups (HSDP's replicate group)
+  std::string unit;  ///< the unit's name ("block0", "root")
+  size_t index = 0;  ///< its index in FullyShardedModel::units()
+  MeshInfo mesh;     ///< the wrapper's mesh (checked: its shard group is set; the groups outlive the reducer)
 };
 
 /// Makes the reducer of one unit. Called once per unit at construction, on every rank alike.
