@@ -13,6 +13,7 @@ add_test(NAME package_consumer_build
                           # this build's flags: a sanitized shardlab (the asan preset) needs a sanitized consumer
                           "-DCMAKE_CXX_FLAGS=${CMAKE_CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${CMAKE_EXE_LINKER_FLAGS}"
           --test-command ${_prefix}/bin/shardlab-run -n 4 --timeout 240 -- ${_build}/shardlab_consumer)
-set_tests_properties(package_install PROPERTIES LABELS package TIMEOUT 120 FIXTURES_SETUP shardlab_installed)
+set_tests_properties(package_install PROPERTIES LABELS package TIMEOUT 120 FIXTURES_SETUP shardlab_installed
+                                                COST 30)  # first: the consumer's build (27 s) waits for it
 set_tests_properties(package_consumer_build PROPERTIES LABELS package TIMEOUT 300
-  FIXTURES_REQUIRED shardlab_installed PASS_REGULAR_EXPRESSION "consumer: ok")
+  FIXTURES_REQUIRED shardlab_installed PASS_REGULAR_EXPRESSION "consumer: ok" COST 27)
