@@ -22,12 +22,16 @@ namespace shardlab {
 /// extension before training), then read.
 class Facets {
  public:
+  /// An empty set.
   Facets() = default;
   /// Not copyable: a copy that outlived its wrapper would hand out parts that point into the dead wrapper (adopt()
   /// is how a facade shares them, while it holds the wrapper).
   Facets(const Facets&) = delete;
+  /// Not copyable (see the copy constructor).
   Facets& operator=(const Facets&) = delete;
+  /// Movable, with the wrapper that holds it.
   Facets(Facets&&) = default;
+  /// Movable, with the wrapper that holds it.
   Facets& operator=(Facets&&) = default;
   ~Facets() = default;
 
