@@ -1,6 +1,7 @@
 // Stage 02 — bucket caps from a cost model. The fit, the replayed timeline and the choice are checked against
 // figures worked out independently: a line through known points, a backward worked by hand, and an exhaustive
 // search over the grid written here from the model's definition, not with the module's own functions.
+#include "shardlab/bucketed_ddp/auto_caps.h"
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/bucketed_ddp/cap_tuning.h"
 #include "shardlab/core/comm/thread_ranks.h"
@@ -10,6 +11,7 @@
 #include "stage02/bucketed_ddp_support.h"
 #include "support/gradients.h"
 #include "support/group.h"
+#include "support/temp_dir.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -196,6 +198,109 @@ TEST(CapTuning, BucketedDDPProfilesItsBackwardAndTakesNewCaps) {
                     << (p.ready_ns[p.order.back()] - p.ready_ns[p.order.front()]) / 1e3 << " us\n";
       },
       test_group());
+}
+
+// One step of `gpt` on its rank's slice of global batch `s`.
+void gpt_step(test_support::GptUnderDdp& gpt, Communicator& comm, int s) {
+  gpt.opt->zero_grad();
+  gpt.ddp.loss(rank_slice(gpt.data->global_batch(s, 8), comm.rank(), 2)).backward();
+  gpt.opt->step();
+}
+
+// The smallest and the largest of `v` over the ranks of `comm` (a check that every rank holds the same value).
+std::pair<int64_t, int64_t> spread(Communicator& comm, int64_t v) {
+  at::Tensor both = at::tensor({-v, v}, at::kLong);  // max(-v) = -min(v)
+  comm.all_reduce(both, ReduceOp::kMax).wait();
+  return {-both[0].item<int64_t>(), both[1].item<int64_t>()};
+}
+
+// AutoCaps, the seam parallelize's auto caps are: nothing at the first step (the buckets are not rebuilt yet), a
+// measurement, rank 0's choice and set_caps at the second, nothing after; every rank takes the same caps, and the
+// measurement's collectives are the range it reports as setup.
+TEST(AutoCaps, TunesOnceAfterTheFirstBackwardOnRebuiltBucketsAndEveryRankTakesRankZerosChoice) {
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        const BucketCaps start{2 << 10, 4 << 10};
+        test_support::GptUnderDdp gpt(comm, 12, start);
+        AutoCaps tuner(gpt.ddp, comm);
+        gpt_step(gpt, comm, 0);
+        size_t records = comm.recorder().size();
+        tuner.after_optimizer_step();
+        EXPECT_FALSE(tuner.choice()) << "step 1's backward ran on the first layout, not the rebuilt one";
+        EXPECT_EQ(comm.recorder().size(), records) << "no collective before it tunes";
+        gpt_step(gpt, comm, 1);
+        records = comm.recorder().size();
+        tuner.after_optimizer_step();
+        ASSERT_TRUE(tuner.choice()) << "tuned after step 2";
+        const CapChoice& c = *tuner.choice();
+        EXPECT_EQ(c.before.first_bytes, start.first_bytes);
+        EXPECT_EQ(c.before.bytes, start.bytes);
+        EXPECT_EQ(gpt.ddp.caps().first_bytes, c.chosen.first_bytes);
+        EXPECT_EQ(gpt.ddp.caps().bytes, c.chosen.bytes);
+        EXPECT_TRUE(gpt.ddp.caps_set());
+        EXPECT_EQ(c.setup.first, records) << "the setup range starts at the measurement";
+        EXPECT_EQ(c.setup.second, comm.recorder().size()) << "and ends after the broadcast of the choice";
+        EXPECT_GT(c.setup.second, c.setup.first);
+        EXPECT_EQ(c.profile.params.size(), gpt.ddp.parameters().size()) << "chosen from step 2's backward";
+        const auto first = spread(comm, c.chosen.first_bytes), later = spread(comm, c.chosen.bytes);
+        EXPECT_EQ(first.first, first.second) << "every rank takes rank 0's first cap";
+        EXPECT_EQ(later.first, later.second) << "every rank takes rank 0's later cap";
+        gpt_step(gpt, comm, 2);
+        records = comm.recorder().size();
+        tuner.after_optimizer_step();
+        EXPECT_EQ(comm.recorder().size(), records) << "it tunes once";
+        EXPECT_EQ(tuner.choice()->setup, c.setup);
+        if (comm.rank() == 0)
+          std::cout << "chose " << c.chosen.first_bytes << " and " << c.chosen.bytes << " bytes (from "
+                    << start.first_bytes << " and " << start.bytes << "), " << gpt.ddp.buckets().size()
+                    << " buckets; alpha " << c.cost.alpha_ns / 1e3 << " us\n";
+      },
+      test_group());
+}
+
+// A resumed run tunes at the step the uninterrupted one did: not at all when the checkpoint's caps were tuned
+// (caps_set travels with the layout), after its first step when the checkpoint was saved after step 1 (its layout
+// rebuilt from step 1's ready order, its caps not tuned yet).
+TEST(AutoCaps, AResumedRunTunesAtTheStepTheUninterruptedRunDid) {
+  test_support::TempDir dir("auto_caps");
+  const BucketCaps start{2 << 10, 4 << 10};
+  for (int saved_after : {1, 2}) {
+    BucketCaps tuned_caps;
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          test_support::GptUnderDdp gpt(comm, 12, start);
+          AutoCaps tuner(gpt.ddp, comm);
+          for (int s = 0; s < saved_after; ++s) {
+            gpt_step(gpt, comm, s);
+            tuner.after_optimizer_step();
+          }
+          ASSERT_EQ(tuner.choice().has_value(), saved_after == 2);
+          tuned_caps = gpt.ddp.caps();
+          gpt.ddp.save_checkpoint(dir / "mid", gpt.opt.get());
+        },
+        test_group());
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          test_support::GptUnderDdp gpt(comm, 12, {64 << 10, 64 << 10});  // other caps: the checkpoint's win
+          AutoCaps tuner(gpt.ddp, comm);
+          gpt.ddp.load_checkpoint(dir / "mid", gpt.opt.get());
+          EXPECT_EQ(gpt.ddp.caps_set(), saved_after == 2) << "saved after step " << saved_after;
+          gpt_step(gpt, comm, saved_after);
+          tuner.after_optimizer_step();
+          if (saved_after == 2) {
+            EXPECT_FALSE(tuner.choice()) << "the checkpoint's caps were tuned already";
+            EXPECT_EQ(gpt.ddp.caps().first_bytes, tuned_caps.first_bytes);
+            EXPECT_EQ(gpt.ddp.caps().bytes, tuned_caps.bytes);
+          } else {
+            ASSERT_TRUE(tuner.choice()) << "resumed at step 2, tuned after it, as the uninterrupted run";
+            EXPECT_EQ(tuner.choice()->before.first_bytes, start.first_bytes) << "from the checkpoint's caps";
+          }
+        },
+        test_group());
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include "traffic.h"
 
+#include "shardlab/bucketed_ddp/auto_caps.h"
 #include "shardlab/core/checkpoint/training_state.h"
 #include "shardlab/core/comm/process_group.h"
 #include "shardlab/core/compat.h"
@@ -125,8 +126,9 @@ class WrappedRunner : public StepRunner {
       }
       Timeline::Scope span(timeline_, "optimizer", step);
       optimizer_->step();
-      if (auto* seam = wrapper_->facet<StepSeam>()) seam->after_optimizer_step();
     }
+    // After the step: after optimizer_'s, or after the synchronized backward that stepped the overlapped optimizer.
+    if (auto* seam = wrapper_->facet<StepSeam>()) seam->after_optimizer_step();
     const MemoryFigures now = step_memory();
     memory_.peak_param_bytes = std::max(memory_.peak_param_bytes, now.peak_param_bytes);
     memory_.peak_grad_bytes = std::max(memory_.peak_grad_bytes, now.peak_grad_bytes);
@@ -147,6 +149,28 @@ class WrappedRunner : public StepRunner {
   size_t buckets() const override {
     const auto* ddp = wrapper_->facet<bucketed_ddp::BucketedDDP>();
     return ddp != nullptr ? ddp->buckets().size() : 0;
+  }
+  // --bucket-cap-kb auto: what the wrapper's AutoCaps chose (parallelize's BucketPolicy::auto_caps), with how many
+  // buckets the chosen caps make by the cap rule over the order the layout took (rank 0's, as agree_on_order gives
+  // every rank; the worker reports rank 0's figures), counted apart from stage 02.
+  AutoCapsFigures auto_caps() const override {
+    const auto* tuner = wrapper_->facet<bucketed_ddp::AutoCaps>();
+    if (tuner == nullptr || !tuner->choice()) return {};
+    const bucketed_ddp::CapChoice& c = *tuner->choice();
+    AutoCapsFigures f;
+    f.caps = {static_cast<double>(c.chosen.first_bytes),
+              static_cast<double>(c.chosen.bytes),
+              c.cost.alpha_ns,
+              c.cost.beta_ns_per_byte,
+              c.exposed_before_ns,
+              c.exposed_chosen_ns};
+    f.buckets_theory = static_cast<double>(buckets_by_cap_rule(c.profile.params, c.profile.order, c.chosen));
+    return f;
+  }
+  // The auto caps' measurement: setup, not training traffic.
+  std::pair<size_t, size_t> setup_records() const override {
+    const auto* tuner = wrapper_->facet<bucketed_ddp::AutoCaps>();
+    return tuner != nullptr && tuner->choice() ? tuner->choice()->setup : std::pair<size_t, size_t>{0, 0};
   }
   MemoryFigures memory() const override { return memory_; }
   void set_timeline(Timeline* timeline) override {
@@ -173,10 +197,6 @@ class WrappedRunner : public StepRunner {
     return wrapper_->load_checkpoint(path, optimizer_.get(), /*optimizer_if_saved=*/true, {});  // weights: fresh
   }
 
- protected:
-  // The wrapper, for a runner that reads a facet of its own (AutoCapsRunner: the buckets).
-  ParallelModel& wrapper() const { return *wrapper_; }
-
  private:
   // Per step: a wrapper's measured peaks beside its theory; a replica holds the full model.
   MemoryFigures step_memory() const {
@@ -197,61 +217,6 @@ class WrappedRunner : public StepRunner {
   MemoryFigures memory_;
 };
 
-// --bucket-cap-kb auto: after step 2 (the first warm backward, on the rebuilt layout) measure the all-reduce's
-// alpha and beta on the group and let stage 02's cost model choose both caps from that backward's ready times.
-// Ranks saw different ready times: rank 0's choice is broadcast, and every rank lays its buckets out again with it.
-class AutoCapsRunner : public WrappedRunner {
- public:
-  AutoCapsRunner(const TrainConfig& c, std::shared_ptr<Model> model, std::unique_ptr<bucketed_ddp::BucketedDDP> ddp,
-                 Communicator& comm, std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped)
-      : WrappedRunner(c, model, std::move(ddp), std::move(overlapped)),
-        comm_(comm),
-        device_(model->parameters().front().device()) {}
-
-  double step(const Batch& local) override {
-    const double loss = WrappedRunner::step(local);
-    // After the run's step 2 (index 1), by the step's index: a run resumed later has its caps from the checkpoint.
-    if (local.step == 1) tune();
-    return loss;
-  }
-  AutoCapsFigures auto_caps() const override { return chosen_; }
-  std::pair<size_t, size_t> setup_records() const override { return setup_records_; }
-
- private:
-  void tune() {
-    auto* buckets = wrapper().facet<bucketed_ddp::BucketedDDP>();
-    SHARDLAB_INTERNAL_ASSERT(buckets != nullptr, "auto caps on a wrapper without buckets");
-    bucketed_ddp::BucketedDDP& ddp = *buckets;
-    const size_t first_record = comm_.recorder().size();
-    const bucketed_ddp::LinkCost cost = bucketed_ddp::measure_all_reduce_cost(comm_, device_);
-    const bucketed_ddp::BackwardProfile profile = ddp.last_backward_profile();
-    const bucketed_ddp::BucketCaps before = ddp.caps();
-    // Every rank chooses from its own profile; rank 0's choice is broadcast below.
-    bucketed_ddp::BucketCaps chosen = bucketed_ddp::choose_caps(profile, cost, {}, before);
-    at::Tensor wire = at::tensor({chosen.first_bytes, chosen.bytes}, at::kLong).to(device_);
-    comm_.broadcast(wire, 0).wait();
-    wire = wire.cpu();
-    chosen = {wire[0].item<int64_t>(), wire[1].item<int64_t>()};
-    ddp.set_caps(chosen);
-    // What the new layout must hold: the cap rule over the order it is laid out in (rank 0's, as agree_on_order
-    // gives every rank; the worker reports rank 0's figures), counted apart from stage 02.
-    chosen_.buckets_theory = static_cast<double>(buckets_by_cap_rule(profile.params, profile.order, chosen));
-    // The measurement's collectives are setup, not training traffic.
-    setup_records_ = {first_record, comm_.recorder().size()};
-    chosen_.caps = {static_cast<double>(chosen.first_bytes),
-                    static_cast<double>(chosen.bytes),
-                    cost.alpha_ns,
-                    cost.beta_ns_per_byte,
-                    bucketed_ddp::modelled_exposed_ns(profile, before, cost),
-                    bucketed_ddp::modelled_exposed_ns(profile, chosen, cost)};
-  }
-
-  Communicator& comm_;
-  c10::Device device_;
-  AutoCapsFigures chosen_;
-  std::pair<size_t, size_t> setup_records_{0, 0};
-};
-
 }  // namespace
 
 std::unique_ptr<ParallelModel> single_device(std::shared_ptr<Model> model) {
@@ -264,12 +229,6 @@ std::unique_ptr<StepRunner> wrapped_runner(const TrainConfig& c, std::shared_ptr
                                            MicroBatchHook accumulation) {
   return std::make_unique<WrappedRunner>(c, std::move(model), std::move(wrapper), std::move(overlapped),
                                          std::move(accumulation));
-}
-
-std::unique_ptr<StepRunner> auto_caps_runner(const TrainConfig& c, std::shared_ptr<Model> model,
-                                             std::unique_ptr<bucketed_ddp::BucketedDDP> ddp, Communicator& comm,
-                                             std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped) {
-  return std::make_unique<AutoCapsRunner>(c, std::move(model), std::move(ddp), comm, std::move(overlapped));
 }
 
 }  // namespace shardlab::cli

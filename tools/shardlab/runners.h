@@ -5,7 +5,6 @@
 
 #include "strategies.h"
 
-#include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/comm_hooks/optimizer_overlap.h"
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/parallel/parallel_model.h"
@@ -24,17 +23,12 @@ std::unique_ptr<ParallelModel> single_device(std::shared_ptr<Model> model);
 
 /// Runs `wrapper` (over `model`): an optimizer `c.optimizer` over wrapper->parameters(), or, with `overlapped`
 /// (stage 03's hook_then_optimizer, already in the wrapper's reducer), none: the synchronized backward steps the
-/// parameters itself. Reads the wrapper's facets where it has them: its measured memory (MemoryFacet), its buckets,
-/// and its work after the optimizer's step (StepSeam, called after every step).
+/// parameters itself. Reads the wrapper's facets where it has them: its measured memory (MemoryFacet), its buckets
+/// and their tuned caps (bucketed_ddp::AutoCaps), and its work after the optimizer's step (StepSeam, called after
+/// every step).
 std::unique_ptr<StepRunner> wrapped_runner(const TrainConfig& c, std::shared_ptr<Model> model,
                                            std::unique_ptr<ParallelModel> wrapper,
                                            std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped = nullptr,
                                            MicroBatchHook accumulation = nullptr);
-
-/// wrapped_runner for `ddp` with --bucket-cap-kb auto: after step 2 it measures the all-reduce on `comm` and lets
-/// stage 02's cost model choose both caps (rank 0's choice, broadcast).
-std::unique_ptr<StepRunner> auto_caps_runner(const TrainConfig& c, std::shared_ptr<Model> model,
-                                             std::unique_ptr<bucketed_ddp::BucketedDDP> ddp, Communicator& comm,
-                                             std::shared_ptr<comm_hooks::OverlappedOptimizer> overlapped);
 
 }  // namespace shardlab::cli

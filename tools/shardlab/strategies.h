@@ -1,7 +1,8 @@
 #pragma once
 // The strategies `shardlab train` and `shardlab compare` know. Extension point: a later stage adds one entry to
-// strategies() in strategies.cpp, a Strategy: its name, a description, its Capabilities, a theory of its traffic, a
-// factory for its StepRunner, how it builds the model, and (optionally) why its bytes may differ from theory.
+// strategies() in strategies.cpp, a Strategy: its name, a description, its Capabilities, a theory of its traffic, the
+// mesh and the ParallelPolicy that parallelize() builds it from (or, for a demo the library does not offer, a factory
+// of its own), how it builds the model, and (optionally) why its bytes may differ from theory.
 
 #include "options.h"
 
@@ -9,6 +10,7 @@
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/trace.h"
 #include "shardlab/course/reference.h"
+#include "shardlab/hsdp/parallelize.h"
 
 #include <functional>
 #include <map>
@@ -108,22 +110,37 @@ struct Capabilities {
   bool checkpoints() const { return !steps_in_backward; }
 };
 
-/// A named way to train.
+/// Builds a strategy's runner on `world` (null for one that does not communicate).
+using RunnerFactory = std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, World*)>;
+
+/// A named way to train: one entry of strategies(). A strategy of the library is a mesh rule and a policy, which
+/// make_runner hands to parallelize(); a stage demo the library does not offer is a named exception with a factory
+/// of its own.
 struct Strategy {
   std::string name;         ///< the --strategy value
   std::string description;  ///< one line for the report
   Capabilities can;         ///< what it can do (which flags it takes)
   /// Expected traffic for `model` (built from the same config) on `world` ranks, training as `train` says.
   std::function<Theory(const Model& model, int world, const StrategyOptions&, const TrainConfig& train)> theory;
-  /// Builds the runner on `world` (null when it does not communicate); a strategy makes the groups it needs from
-  /// it (every strategy but those on a mesh: world->world()).
-  std::function<std::unique_ptr<StepRunner>(const TrainConfig&, const StrategyOptions&, World*)> make;
+  /// The mesh parallelize() gets, R replicas x S shards, on `world` ranks: its shape picks DDP, FSDP or HSDP.
+  std::function<std::pair<int, int>(const StrategyOptions&, int world)> mesh;
+  /// What it asks of parallelize() (the library's vocabulary), from the run's options.
+  std::function<ParallelPolicy(const TrainConfig&, const StrategyOptions&)> policy;
+  /// A named exception (one device, stage 01's naive DDP): its own runner, not parallelize's; null otherwise.
+  RunnerFactory make;
   /// How each rank builds the model, for the report: "sharded" (unit by unit, Note [Sharded construction]), or
   /// "whole: " and why this strategy cannot do otherwise.
   std::string construction;
   /// What the report says when the bytes measured differ from theory ("" for nothing): a known cause.
   std::string bytes_note;
 };
+
+/// Builds `strategy`'s runner for a rank of `world`: its own factory for a named exception, else parallelize() on
+/// its mesh with its policy (the model built whole on the run's device for S = 1, unit by unit for S > 1), with the
+/// optimizer stepping in backward when it can (stage 03's hook_then_optimizer as the buckets' reducer) and the
+/// all-reduce across replicas deferred with --defer-all-reduce.
+std::unique_ptr<StepRunner> make_runner(const Strategy& strategy, const TrainConfig& c, const StrategyOptions& s,
+                                        World* world);
 
 /// The mesh of a strategy on a mesh, on `world` ranks: --mesh RxS, or by default 2 replicas of world/2 shards when the
 /// world size is even and at least 4 (a replica per machine of two, each sharded), else one replica of all ranks

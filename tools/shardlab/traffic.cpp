@@ -136,16 +136,19 @@ int64_t buckets_by_cap_rule(const std::vector<at::Tensor>& params, const std::ve
 }
 
 // Bucketed DDP's traffic: one all-reduce per bucket (laid out in reverse registration order, as before the
-// rebuild; the rebuild keeps the count for these models), of the whole gradient.
+// rebuild; the rebuild keeps the count for these models), of the whole gradient, on the replicate group of its Nx1
+// mesh.
 Theory per_bucket_all_reduce(const Model& model, const StrategyOptions& s, double scale) {
-  const int64_t buckets = buckets_in_reverse_order(trainable_parameters(model), caps(s));
-  return {static_cast<double>(buckets), payload_bytes(model, scale), {}};
+  const Traffic t{static_cast<double>(buckets_in_reverse_order(trainable_parameters(model), caps(s))),
+                  payload_bytes(model, scale)};
+  return {t.collectives, t.bytes, {{"replicate", t}}};
 }
 
-// Stage 04's FSDP: every micro-batch but the last under no_sync, so one reduce-scatter per unit per step.
+// Stage 04's FSDP: every micro-batch but the last under no_sync, so one reduce-scatter per unit per step, on the
+// shard group of its 1xN mesh.
 Theory fsdp_traffic(const Model& model, int world, const StrategyOptions& s, const TrainConfig& train) {
   const Traffic t = sharded_traffic(model, world, s, train, 1);
-  return {t.collectives, t.bytes, {{"world", t}}};
+  return {t.collectives, t.bytes, {{"shard", t}}};
 }
 
 // HSDP on an R x S mesh: FSDP's traffic on the shard group (S ranks; k reduce-scatters per step when the

@@ -211,7 +211,7 @@ int run_worker_unlimited(const RunOptions& options) {
   if (o.memory_limit_mib > 0) limit_data_memory(o.memory_limit_mib);  // Note [A rank's memory limit]
   const double base_rss = status_bytes("VmRSS");                      // Note [Peak RSS over the steady state]
   const double base_data = status_bytes("VmData");  // what RLIMIT_DATA counts: Note [A rank's memory limit]
-  auto runner = strategy.make(o.train, o.strategy_options, group_world.get());
+  auto runner = make_runner(strategy, o.train, o.strategy_options, group_world.get());
   const double construction_rss = status_bytes("VmHWM");  // the peak so far: the model built (and wrapped)
   int first_step = 0;  // --resume: the checkpoint's step, where this run's data starts
   if (!o.resume_dir.empty()) {

@@ -175,11 +175,13 @@ double BucketedDDP::clip_grad_norm(double max_norm, double p) {
 // parameter name) and the caps (tuned ones included) travel in the metadata, and a load lays the buckets out that
 // way at the next training forward. A checkpoint from another wrapper has none: the wrapper keeps its own layout
 // (a fresh one rebuilds it after its first backward, as a fresh run does). The loaded caps replace the ones it was
-// built with.
+// built with, and whether set_caps had chosen them travels too (caps_set), so that a tuner does not tune a resumed
+// run twice.
 
 namespace {
 constexpr const char* kOrderKey = "bucketed_ddp.rebuilt_order";  // names, one per line
 constexpr const char* kCapsKey = "bucketed_ddp.caps";            // "first_bytes bytes"
+constexpr const char* kCapsSetKey = "bucketed_ddp.caps_set";     // present when set_caps chose them
 }  // namespace
 
 void BucketedDDP::save_checkpoint(const std::string& dir, torch::optim::Optimizer* optimizer,
@@ -196,6 +198,7 @@ void BucketedDDP::save_checkpoint(const std::string& dir, torch::optim::Optimize
     for (size_t p : next) order += names_[p] + "\n";
     meta[kOrderKey] = order;
     meta[kCapsKey] = std::to_string(options_.caps.first_bytes) + " " + std::to_string(options_.caps.bytes);
+    if (caps_set_) meta[kCapsSetKey] = "1";
   }
   save_training_checkpoint(dir, replicated_state(*module_, comm_.rank()), optimizer, comm_, meta);
 }
@@ -230,6 +233,7 @@ std::map<std::string, std::string> BucketedDDP::load_checkpoint(const std::strin
     return meta;
   }
   options_.caps = c;
+  caps_set_ = meta.count(kCapsSetKey) > 0;
   restored_order_ = std::move(restored);
   rebuilt_ = true;
   rebuild_pending_ = true;
@@ -373,6 +377,7 @@ void BucketedDDP::set_caps(BucketCaps caps) {
         "BucketedDDP::set_caps: expected a completed synchronized backward (its ready order lays "
         "the buckets out); got none yet");
   options_.caps = caps;
+  caps_set_ = true;
   rebuild_pending_ = true;
 }
 

@@ -82,6 +82,10 @@ auto BucketedDDP::set_caps(BucketCaps caps) -> void {
   throw ::shardlab::NotImplemented("02", "BucketedDDP::set_caps");
 }
 
+auto BucketedDDP::caps_set() const -> bool {
+  throw ::shardlab::NotImplemented("02", "BucketedDDP::caps_set");
+}
+
 auto BucketedDDP::replica() const -> const Model& {
   throw ::shardlab::NotImplemented("02", "BucketedDDP::replica");
 }

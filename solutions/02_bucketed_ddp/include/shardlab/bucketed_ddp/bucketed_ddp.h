@@ -156,6 +156,9 @@ class BucketedDDP : public ReplicatedModel {
   /// @throws std::invalid_argument for a non-positive cap; std::logic_error before the first synchronized backward
   ///         has completed (there is no ready order yet).
   void set_caps(BucketCaps caps);
+  /// True once set_caps chose the caps in use: in this run, or in the run whose checkpoint load_checkpoint took the
+  /// layout of (Note [The bucket layout in a checkpoint]).
+  bool caps_set() const { return caps_set_; }
 
  protected:
   /// ReplicatedModel: the replica this rank holds.
@@ -213,6 +216,7 @@ class BucketedDDP : public ReplicatedModel {
   std::vector<size_t> layout_order_;    // the order the buckets were last laid out from (assign_buckets')
   std::vector<size_t> restored_order_;  // a loaded checkpoint's bucket order, laid out at the next training forward
   bool rebuilt_ = false;
+  bool caps_set_ = false;  // set_caps chose options_.caps (here, or in the run a loaded checkpoint saved)
   // True from the first synchronized gradient of a backward until finish_sync has settled that backward. Still true
   // at the next forward only when the backward was cut short (an exception in backward, or in finish_sync's waits):
   // loss() then waits for what it launched and starts afresh.

@@ -16,6 +16,7 @@
 ///   for (...) { opt.zero_grad(); dp->loss(my_slice).backward(); opt.step(); }
 /// @endcode
 
+#include "shardlab/bucketed_ddp/auto_caps.h"
 #include "shardlab/bucketed_ddp/bucketed_ddp.h"
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/model/model.h"
@@ -25,23 +26,47 @@
 #include "shardlab/hsdp/hsdp_reducer.h"
 #include "shardlab/prefetch/prefetch_policy.h"
 
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace shardlab {
 
+/// What each rank of a shard group (the mesh's S ranks) holds only its share of: ZeRO's stages, FSDP2 the last. On a
+/// mesh with S = 1 a share is the whole, and every rank holds everything (DDP) whatever this says.
+enum class Sharding {
+  kParameters,      ///< parameters, gradients and optimizer state (FSDP, ZeRO-3): stages 04-06
+  kGradients,       ///< gradients and optimizer state, parameters replicated (ZeRO-2): stage 07, not built yet
+  kOptimizerState,  ///< optimizer state only (ZeRO-1): stage 07, not built yet
+};
+
 /// When the sharded units give their gathered parameters back (FSDP2's reshard_after_forward).
 struct ReshardPolicy {
   bool after_forward = true;  ///< free each unit after its forward, gather it again for its backward (FSDP2's default)
 };
 
+/// Makes the reducer of DDP's buckets on `group` (the mesh's replicate group): stage 03's hooks, or your own.
+using BucketReducerFactory = std::function<bucketed_ddp::BucketReducer(Communicator& group)>;
+
+/// DDP's buckets (a mesh with S = 1): their caps, how they are reduced, and whether the caps are tuned.
+struct BucketPolicy {
+  bucketed_ddp::BucketCaps caps;  ///< the first bucket's cap and the later ones' (PyTorch DDP's: 1 MiB, 25 MiB)
+  /// True: after the second step the caps are chosen from a measured cost model (stage 02's AutoCaps, offered as
+  /// the facets StepSeam and bucketed_ddp::AutoCaps; the loop calls the seam after every optimizer step).
+  bool auto_caps = false;
+  /// The buckets' reducer (stage 03's make_hook through as_bucket_reducer, hook_then_optimizer, or your own); null:
+  /// the reduction's wire (an average in the gradients' dtype, or stage 03's fp16/bf16 hook).
+  BucketReducerFactory reducer;
+};
+
 /// How gradients are reduced.
 struct ReductionPolicy {
   /// The dtype on the wire: the reduce dtype, or fp16/bf16 compression (both groups under HSDP; stage 03's hook of
-  /// that name under DDP).
+  /// that name under DDP, unless BucketPolicy::reducer says otherwise).
   Wire wire = Wire::kReduceDtype;
   /// False: a trainable parameter without a gradient in a step is an error (as FSDP's and DDP's default).
   bool allow_unused_parameters = false;
@@ -54,20 +79,26 @@ struct BufferPolicy {
   bool pool = true;
 };
 
-/// Everything parallelize() takes besides the model and the mesh; each part has FSDP2's default (the buffers:
-/// shardlab's).
+/// Everything parallelize() takes besides the model and the mesh: the library's one vocabulary, which it turns into
+/// the stages' options (bucketed_ddp::Options, fsdp::Options, prefetch). Each part has FSDP2's or DDP's default (the
+/// buffers: shardlab's).
 struct ParallelPolicy {
-  fsdp::MixedPrecision mixed_precision;  ///< param and reduce dtypes of the sharded units (none: the parameters')
-  ReshardPolicy reshard;                 ///< the sharded units' reshard after forward
-  prefetch::PrefetchPolicy prefetch;     ///< the sharded units' all-gathers issued ahead (depth 1 each way)
-  ReductionPolicy reduction;             ///< the gradients' wire and unused parameters
-  BufferPolicy buffers;                  ///< the sharded units' buffers: pooled or not
+  Sharding sharding = Sharding::kParameters;  ///< what a shard group shares out (S > 1)
+  fsdp::MixedPrecision mixed_precision;       ///< param and reduce dtypes of the sharded units (none: the parameters')
+  ReshardPolicy reshard;                      ///< the sharded units' reshard after forward
+  /// The sharded units' all-gathers issued ahead (depth 1 each way by default); none: each unit gathers when it is
+  /// used (stage 04 alone).
+  std::optional<prefetch::PrefetchPolicy> prefetch = prefetch::PrefetchPolicy{};
+  BucketPolicy buckets;       ///< DDP's buckets (S = 1)
+  ReductionPolicy reduction;  ///< the gradients' wire and unused parameters
+  BufferPolicy buffers;       ///< the sharded units' buffers: pooled or not
 };
 
 /// A model trained data-parallel on a mesh: what parallelize() returns. A ParallelModel (parallel_model.h) that
 /// hands every call to the wrapper the mesh's shape gave, so a training loop holds a `ParallelModel&` whatever the
 /// shape, and offers that wrapper's facets (Note [Facets, not downcasts]):
-///  - DDP (S = 1): bucketed_ddp::BucketedDDP, its buckets;
+///  - DDP (S = 1): bucketed_ddp::BucketedDDP, its buckets; with BucketPolicy::auto_caps, bucketed_ddp::AutoCaps (what
+///    it chose) and StepSeam (when it chooses);
 ///  - FSDP and HSDP (S > 1): MemoryFacet, the measured memory beside its theory, and ReplicaSync, the all-reduce
 ///    across replicas deferred for accumulation. On one replica (R = 1) there is no all-reduce: deferring then
 ///    reduce-scatters every micro-batch and keeps the rows (one row per unit, where no_sync keeps the unsharded
@@ -115,8 +146,11 @@ class DataParallel : public ParallelModel {
 /// Wraps `model` for data parallelism on `mesh` as its shape says (see the file comment), with `policy`. Every
 /// rank of the mesh's world calls it alike; a collective over the whole world. The wrapper shares `mesh`, which
 /// lives as long as either; the World it was made of must outlive both.
-/// @throws std::invalid_argument for a null model or mesh, and for mixed precision under DDP (S = 1: bucketed DDP
-///         computes in the parameters' dtype), before any collective; and as the wrapper's constructor does.
+/// @throws std::invalid_argument before any collective: for a null model or mesh; under DDP (S = 1) for mixed
+///         precision (bucketed DDP computes in the parameters' dtype) and for a bucket reducer beside a wire other
+///         than the reduce dtype (two answers to one question); under FSDP and HSDP (S > 1) for bucket caps, auto
+///         caps or a bucket reducer (they have no buckets), and for a Sharding not built yet (ZeRO: stage 07). And
+///         as the wrapper's constructor does.
 std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh,
                                           const ParallelPolicy& policy = {});
 /// As above, on a mesh the caller keeps alive as long as the wrapper.

@@ -156,6 +156,9 @@ class BucketedDDP : public ReplicatedModel {
   /// @throws std::invalid_argument for a non-positive cap; std::logic_error before the first synchronized backward
   ///         has completed (there is no ready order yet).
   void set_caps(BucketCaps caps);
+  /// True once set_caps chose the caps in use: in this run, or in the run whose checkpoint load_checkpoint took the
+  /// layout of (Note [The bucket layout in a checkpoint]).
+  bool caps_set() const;
 
  protected:
   /// ReplicatedModel: the replica this rank holds.
