@@ -61,8 +61,8 @@ else:
                       f"{report['collectives_per_step_theory']}")
     if report["bytes_per_step"] != report["bytes_per_step_theory"]:
         errors.append(f"bytes per step {report['bytes_per_step']} differ from theory {report['bytes_per_step_theory']}")
-    # Per group (hsdp: its row's shard group and its column's replicate group; every other strategy: the world),
-    # measured on rank 0 beside the theory of that group.
+    # Per group (its mesh's: the DDP strategies' replicate group, FSDP's shard group, hsdp's row's shard group and its
+    # column's replicate group; naive_ddp: the world), measured on rank 0 beside the theory of that group.
     groups = report.get("groups", {})
     print("groups", groups)
     if not groups:
