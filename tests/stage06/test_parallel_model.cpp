@@ -234,8 +234,8 @@ TEST(ParallelizePolicy, PrefetchIsOnByDefaultAndOffWhenThePolicyHasNone) {
 }
 
 // What a mesh's shape cannot do with a policy is refused before any collective, with an error that names the mesh
-// and what was expected: a bucket reducer beside a compressed wire (DDP), buckets on a sharded mesh, and sharding
-// that stage 07 builds.
+// and what was expected: a bucket reducer beside a compressed wire and a gather seam (DDP), buckets on a sharded
+// mesh, and sharding that stage 07 builds.
 TEST(ParallelizePolicy, WhatTheMeshCannotDoIsRefusedBeforeAnyCollective) {
   const TrainConfig c = test_support::config("mlp").seed(43);
   run_world(
@@ -259,6 +259,9 @@ TEST(ParallelizePolicy, WhatTheMeshCannotDoIsRefusedBeforeAnyCollective) {
               [](Communicator& comm, const at::Tensor& b) { return comm.all_reduce(b, ReduceOp::kAvg); });
         };
         refused(ddp, two_wires, "2x1 mesh gives DDP, whose buckets the policy's bucket reducer reduces");
+        ParallelPolicy gather;
+        gather.gather = fsdp::cast_gather();
+        refused(ddp, gather, "2x1 mesh gives DDP, which gathers nothing");
         ParallelPolicy buckets;
         buckets.buckets.auto_caps = true;
         refused(fsdp, buckets, "1x2 mesh (shard size > 1) gives FSDP or HSDP, which reduce unit by unit");

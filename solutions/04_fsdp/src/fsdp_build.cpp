@@ -86,7 +86,7 @@ std::unique_ptr<FsdpUnit> FullyShardedModel::make_unit(const std::string& name,
                                                        const std::vector<std::pair<std::string, at::Tensor>>& params,
                                                        std::shared_ptr<GradientReducer> reducer) {
   return std::make_unique<FsdpUnit>(name, params, comm_, options_.mixed_precision, std::move(reducer), meter_,
-                                    pool_.get());
+                                    pool_.get(), options_.gather);
 }
 
 std::vector<std::vector<std::pair<std::string, at::Tensor>>> FullyShardedModel::assign_parameters() {

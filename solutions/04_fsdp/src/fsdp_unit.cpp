@@ -91,8 +91,13 @@ const char* to_string(UnitState state) {
 
 FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
                    const MixedPrecision& policy, std::shared_ptr<GradientReducer> reducer, MemoryMeter& meter,
-                   BufferPool* pool)
-    : name_(std::move(name)), comm_(comm), reducer_(std::move(reducer)), meter_(meter), pool_(pool) {
+                   BufferPool* pool, std::shared_ptr<const GatherSeam> gather)
+    : name_(std::move(name)),
+      comm_(comm),
+      reducer_(std::move(reducer)),
+      meter_(meter),
+      pool_(pool),
+      gather_(gather ? std::move(gather) : cast_gather()) {
   validate(name_, params);
   if (!reducer_) throw std::invalid_argument("FsdpUnit '" + name_ + "': expected a gradient reducer; got null");
   const at::Tensor& first = params.front().second;
@@ -197,29 +202,29 @@ at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
   return at::empty({numel}, sharded_flat_.options().dtype(dtype));
 }
 
+BufferMaker FsdpUnit::buffer_maker() const {
+  return [this](int64_t numel, c10::ScalarType dtype) { return new_buffer(numel, dtype); };
+}
+
 void FsdpUnit::begin_unshard() {
   if (state_ != UnitState::kSharded) return;
   at::NoGradGuard no_grad;
-  // BEGIN SOLUTION(04): issue one all-gather of this rank's padded shards (the gathered buffer waits for copy-out)
-  all_gather_in_ = sharded_flat_;
-  if (dtypes_.casts_params()) all_gather_in_ = new_buffer(shard_numel_, dtypes_.param).copy_(sharded_flat_);
-  all_gather_out_ = new_buffer(comm_.size() * shard_numel_, dtypes_.param);
+  // BEGIN SOLUTION(04): issue one all-gather of this rank's block, as the seam packs it (the gathered buffer waits)
+  all_gather_in_ = gather_->pack(sharded_flat_, dtypes_.param, buffer_maker());
+  all_gather_out_ = new_buffer(comm_.size() * all_gather_in_.numel(), all_gather_in_.scalar_type());
   all_gather_ = comm_.all_gather(all_gather_out_, all_gather_in_);
   state_ = UnitState::kUnsharding;
   // END SOLUTION
   emit(UnitEventKind::kBeginUnshard);
 }
 
-void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
-  // BEGIN SOLUTION(04): copy-out: every rank's real rows of every parameter from its block into the full parameter
-  const at::Tensor rows = blocks.view({comm_.size(), shard_numel_});
+void FsdpUnit::copy_out(int r, const at::Tensor& shards, const at::Tensor& dst) const {
+  // BEGIN SOLUTION(04): copy-out: rank r's real rows of every parameter from its padded shards into the parameter
   for (const auto& fp : params_) {
-    for (int r = 0; r < comm_.size(); ++r) {
-      const int64_t n = fp.spec.rows_of(r) * fp.spec.row_numel;
-      if (n == 0) continue;
-      dst.narrow(0, fp.gathered_offset + fp.spec.first_row_of(r) * fp.spec.row_numel, n)
-          .copy_(rows[r].narrow(0, fp.shard_offset, n));
-    }
+    const int64_t n = fp.spec.rows_of(r) * fp.spec.row_numel;
+    if (n == 0) continue;
+    dst.narrow(0, fp.gathered_offset + fp.spec.first_row_of(r) * fp.spec.row_numel, n)
+        .copy_(shards.narrow(0, fp.shard_offset, n));
   }
   // END SOLUTION
 }
@@ -244,7 +249,9 @@ void FsdpUnit::finish_unshard() {
   regrow_storage(gathered_, gathered_capacity_bytes());
   {
     at::NoGradGuard no_grad;
-    copy_out(all_gather_out_, gathered_);  // through the buffer: Note [Why the registered tensor never changes]
+    const at::Tensor blocks = all_gather_out_.view({comm_.size(), -1});
+    for (int r = 0; r < comm_.size(); ++r)  // through the buffer: Note [Why the registered tensor never changes]
+      copy_out(r, gather_->unpack(blocks[r], shard_numel_, dtypes_.param, buffer_maker()), gathered_);
   }
   all_gather_out_ = at::Tensor();
   all_gather_in_ = at::Tensor();
@@ -352,9 +359,10 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
 std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
   at::NoGradGuard no_grad;
   at::Tensor blocks = at::empty({comm_.size() * shard_numel_}, sharded_flat_.options());
-  comm_.all_gather(blocks, sharded_flat_).wait();
+  comm_.all_gather(blocks, sharded_flat_).wait();  // the shards as they are: the full values exactly, not the seam's
   at::Tensor full = at::empty({gathered_numel_}, sharded_flat_.options());
-  copy_out(blocks, full);
+  const at::Tensor rows = blocks.view({comm_.size(), shard_numel_});
+  for (int r = 0; r < comm_.size(); ++r) copy_out(r, rows[r], full);
   std::vector<at::Tensor> out;
   for (const auto& fp : params_)
     out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());

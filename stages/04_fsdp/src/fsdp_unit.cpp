@@ -91,8 +91,13 @@ const char* to_string(UnitState state) {
 
 FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
                    const MixedPrecision& policy, std::shared_ptr<GradientReducer> reducer, MemoryMeter& meter,
-                   BufferPool* pool)
-    : name_(std::move(name)), comm_(comm), reducer_(std::move(reducer)), meter_(meter), pool_(pool) {
+                   BufferPool* pool, std::shared_ptr<const GatherSeam> gather)
+    : name_(std::move(name)),
+      comm_(comm),
+      reducer_(std::move(reducer)),
+      meter_(meter),
+      pool_(pool),
+      gather_(gather ? std::move(gather) : cast_gather()) {
   validate(name_, params);
   if (!reducer_) throw std::invalid_argument("FsdpUnit '" + name_ + "': expected a gradient reducer; got null");
   const at::Tensor& first = params.front().second;
@@ -187,17 +192,21 @@ at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
   return at::empty({numel}, sharded_flat_.options().dtype(dtype));
 }
 
+BufferMaker FsdpUnit::buffer_maker() const {
+  return [this](int64_t numel, c10::ScalarType dtype) { return new_buffer(numel, dtype); };
+}
+
 void FsdpUnit::begin_unshard() {
   if (state_ != UnitState::kSharded) return;
   at::NoGradGuard no_grad;
-  // TODO(stage04): issue one all-gather of this rank's padded shards (the gathered buffer waits for copy-out)
-  throw ::shardlab::NotImplemented("04", "issue one all-gather of this rank's padded shards (the gathered buffer waits for copy-out)");
+  // TODO(stage04): issue one all-gather of this rank's block, as the seam packs it (the gathered buffer waits)
+  throw ::shardlab::NotImplemented("04", "issue one all-gather of this rank's block, as the seam packs it (the gathered buffer waits)");
   emit(UnitEventKind::kBeginUnshard);
 }
 
-void FsdpUnit::copy_out(const at::Tensor& blocks, const at::Tensor& dst) const {
-  // TODO(stage04): copy-out: every rank's real rows of every parameter from its block into the full parameter
-  throw ::shardlab::NotImplemented("04", "copy-out: every rank's real rows of every parameter from its block into the full parameter");
+void FsdpUnit::copy_out(int r, const at::Tensor& shards, const at::Tensor& dst) const {
+  // TODO(stage04): copy-out: rank r's real rows of every parameter from its padded shards into the parameter
+  throw ::shardlab::NotImplemented("04", "copy-out: rank r's real rows of every parameter from its padded shards into the parameter");
 }
 
 void FsdpUnit::wait_for_all_gather() {
@@ -284,9 +293,10 @@ Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
 std::vector<at::Tensor> FsdpUnit::gather_full_parameters() {
   at::NoGradGuard no_grad;
   at::Tensor blocks = at::empty({comm_.size() * shard_numel_}, sharded_flat_.options());
-  comm_.all_gather(blocks, sharded_flat_).wait();
+  comm_.all_gather(blocks, sharded_flat_).wait();  // the shards as they are: the full values exactly, not the seam's
   at::Tensor full = at::empty({gathered_numel_}, sharded_flat_.options());
-  copy_out(blocks, full);
+  const at::Tensor rows = blocks.view({comm_.size(), shard_numel_});
+  for (int r = 0; r < comm_.size(); ++r) copy_out(r, rows[r], full);
   std::vector<at::Tensor> out;
   for (const auto& fp : params_)
     out.push_back(full.narrow(0, fp.gathered_offset, fp.spec.numel()).view(fp.spec.sizes).clone());

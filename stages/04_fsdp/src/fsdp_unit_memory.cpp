@@ -50,9 +50,11 @@ int64_t FsdpUnit::sharded_bytes() const { return bytes_of(sharded_flat_); }
 int64_t FsdpUnit::all_gather_bytes_held() const { return storage_bytes(all_gather_out_); }
 
 int64_t FsdpUnit::all_gather_bytes() const {
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtypes_.param));
-  return (comm_.size() + (dtypes_.casts_params() ? 1 : 0)) * shard_numel_ * elem +
-         comm_.all_gather_scratch_bytes(dtypes_.param, shard_numel_, sharded_flat_.device());
+  const GatherWire wire = gather_->wire(shard_numel_, dtypes_.param);
+  return comm_.size() * wire.numel * static_cast<int64_t>(c10::elementSize(wire.dtype)) +
+         gather_->pack_bytes(shard_numel_, dtypes_.orig, dtypes_.param) +
+         gather_->unpack_bytes(shard_numel_, dtypes_.param) +
+         comm_.all_gather_scratch_bytes(wire.dtype, wire.numel, sharded_flat_.device());
 }
 
 int64_t FsdpUnit::unsharded_grad_bytes() const {

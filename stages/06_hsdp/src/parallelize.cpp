@@ -67,6 +67,10 @@ void check_policy(const Mesh* mesh, const ParallelPolicy& policy) {
                                   " gives DDP, whose buckets the policy's bucket reducer reduces: it decides what "
                                   "goes on the wire; expected Wire::kReduceDtype beside it; got the wire " +
                                   wire_name(policy.reduction.wire));
+    if (policy.gather)
+      throw std::invalid_argument("parallelize: " + shape +
+                                  " gives DDP, which gathers nothing: every rank holds the whole model; expected no "
+                                  "gather seam, or a mesh with S > 1 (FSDP or HSDP)");
     return;
   }
   const bool buckets =
@@ -90,6 +94,7 @@ fsdp::Options sharded_options(const ParallelPolicy& policy) {
   options.reshard_after_forward = policy.reshard.after_forward;
   options.allow_unused_parameters = policy.reduction.allow_unused_parameters;
   options.pool_buffers = policy.buffers.pool;
+  options.gather = policy.gather;
   return options;
 }
 

@@ -23,6 +23,7 @@
 #include "shardlab/core/model/no_sync.h"
 #include "shardlab/core/parallel/parallel_model.h"
 #include "shardlab/fsdp/fsdp.h"
+#include "shardlab/fsdp/gather.h"
 #include "shardlab/hsdp/hsdp_reducer.h"
 #include "shardlab/prefetch/prefetch_policy.h"
 
@@ -89,6 +90,9 @@ struct ParallelPolicy {
   /// The sharded units' all-gathers issued ahead (depth 1 each way by default); none: each unit gathers when it is
   /// used (stage 04 alone).
   std::optional<prefetch::PrefetchPolicy> prefetch = prefetch::PrefetchPolicy{};
+  /// How the sharded units' all-gathers pack and unpack their shards (stage 04's gather seam: a compressed
+  /// all-gather of your own); null: the shards in the param dtype.
+  std::shared_ptr<const fsdp::GatherSeam> gather;
   BucketPolicy buckets;       ///< DDP's buckets (S = 1)
   ReductionPolicy reduction;  ///< the gradients' wire and unused parameters
   BufferPolicy buffers;       ///< the sharded units' buffers: pooled or not
@@ -148,9 +152,9 @@ class DataParallel : public ParallelModel {
 /// lives as long as either; the World it was made of must outlive both.
 /// @throws std::invalid_argument before any collective: for a null model or mesh; under DDP (S = 1) for mixed
 ///         precision (bucketed DDP computes in the parameters' dtype) and for a bucket reducer beside a wire other
-///         than the reduce dtype (two answers to one question); under FSDP and HSDP (S > 1) for bucket caps, auto
-///         caps or a bucket reducer (they have no buckets), and for a Sharding not built yet (ZeRO: stage 07). And
-///         as the wrapper's constructor does.
+///         than the reduce dtype (two answers to one question) and for a gather seam (DDP gathers nothing); under
+///         FSDP and HSDP (S > 1) for bucket caps, auto caps or a bucket reducer (they have no buckets), and for a
+///         Sharding not built yet (ZeRO: stage 07). And as the wrapper's constructor does.
 std::unique_ptr<DataParallel> parallelize(std::shared_ptr<Model> model, std::shared_ptr<Mesh> mesh,
                                           const ParallelPolicy& policy = {});
 /// As above, on a mesh the caller keeps alive as long as the wrapper.

@@ -28,6 +28,7 @@
 
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/storage/buffer_pool.h"
+#include "shardlab/fsdp/gather.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
 #include "shardlab/fsdp/reducer.h"
@@ -104,11 +105,12 @@ class FsdpUnit {
   /// @param meter counts every buffer the unit allocates and frees.
   /// @param pool where the unit's buffers come from (CPU tensors only; null: the device's allocator). It must
   ///        outlive the unit. See Note [Why FSDP pools its buffers] in common.
+  /// @param gather how its all-gather packs and unpacks the shards (gather.h); null: cast_gather().
   /// @throws std::invalid_argument naming the parameter for a scalar, a non-contiguous or a non-dense parameter,
   ///         for parameters of different dtypes or devices in one unit, for an empty unit and for a null reducer.
   FsdpUnit(std::string name, const std::vector<std::pair<std::string, at::Tensor>>& params, Communicator& comm,
            const MixedPrecision& policy, std::shared_ptr<GradientReducer> reducer, MemoryMeter& meter,
-           BufferPool* pool = nullptr);
+           BufferPool* pool = nullptr, std::shared_ptr<const GatherSeam> gather = nullptr);
   /// @endcond
   ~FsdpUnit();
   FsdpUnit(const FsdpUnit&) = delete;
@@ -162,9 +164,10 @@ class FsdpUnit {
   int64_t gathered_capacity_bytes() const;
   /// Bytes of the sharded buffer (this rank's padded shards).
   int64_t sharded_bytes() const;
-  /// Bytes an all-gather in flight holds: its output (S blocks of the padded shards, param dtype), with a param
-  /// dtype that differs from the original the cast shards it sends, and the Communicator's private copies
-  /// (Communicator::all_gather_scratch_bytes).
+  /// Bytes an all-gather in flight holds: its output (S blocks of what the gather seam sends: the padded shards in
+  /// the param dtype by default), what the seam packs and unpacks beside them (GatherSeam::pack_bytes and
+  /// unpack_bytes: by default, with a param dtype that differs from the original, the cast shards it sends), and the
+  /// Communicator's private copies (Communicator::all_gather_scratch_bytes).
   int64_t all_gather_bytes() const;
   /// Bytes the all-gather buffer holds now (its storage; 0 unless an all-gather is in flight).
   int64_t all_gather_bytes_held() const;
@@ -215,8 +218,11 @@ class FsdpUnit {
 
  private:
   void wait_for_all_gather();  // all_gather_.wait(), recorded as the wait "fsdp unshard"; keeps the first failure
-  void copy_out(const at::Tensor& blocks, const at::Tensor& dst) const;
+  // Copy-out of rank r: its real rows of every parameter, from `shards` (rank r's padded shards, dst's dtype), into
+  // `dst` (the unit's parameters, flat).
+  void copy_out(int r, const at::Tensor& shards, const at::Tensor& dst) const;
   at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
+  BufferMaker buffer_maker() const;                                   // new_buffer, for the gather seam
   // Reports `kind` to the sink, after the meter has counted what the transition holds (count_event).
   void emit(UnitEventKind kind);
 
@@ -245,15 +251,16 @@ class FsdpUnit {
   UnitDtypes dtypes_;
   std::shared_ptr<GradientReducer> reducer_;
   MemoryMeter& meter_;
-  BufferPool* pool_;  // null: the device's allocator
+  BufferPool* pool_;                          // null: the device's allocator
+  std::shared_ptr<const GatherSeam> gather_;  // never null
   std::vector<FsdpParam> params_;
   int64_t shard_numel_ = 0;              // Σ padded shard numel: the sharded buffer, one block of the all-gather
   int64_t gathered_numel_ = 0;           // Σ numel: the gathered buffer
   int64_t grad_row_numel_ = 0;           // Σ padded shard numel of the trainable parameters: one reduce-scatter row
   at::Tensor sharded_flat_;              // [shard_numel_], original dtype
   at::Tensor gathered_;                  // [gathered_numel_], param dtype; 0 bytes while sharded
-  at::Tensor all_gather_out_;            // [S * shard_numel_], param dtype; only while unsharding
-  at::Tensor all_gather_in_;             // the cast shards (mixed precision only); only while unsharding
+  at::Tensor all_gather_out_;            // S blocks of the gather seam's wire; only while unsharding
+  at::Tensor all_gather_in_;             // this rank's block (the seam's pack); only while unsharding
   Handle all_gather_;                    // pending while unsharding
   std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
   // What the meter counts now: the sharded buffer, the other parameters' buffers by state, and per parameter its

@@ -97,16 +97,18 @@ using UnitObserver = std::function<void(const UnitEvent&)>;
 
 /// How FullyShardedModel shards, gathers and reduces.
 struct Options {
-  bool reshard_after_forward = true;        ///< units: free after forward, gather again in backward
-  bool root_reshard_after_forward = false;  ///< the root: FSDP2 keeps it gathered until its backward
-  MixedPrecision mixed_precision;           ///< param / reduce dtypes (default: none, all original)
-  ReducerFactory reducer;                   ///< makes each unit's gradient reducer (empty: stage 03's
-                                            ///< reduce_scatter hook, the average in the reduce dtype, on the
-                                            ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
-  bool allow_unused_parameters = false;     ///< false: a trainable parameter without gradient is an error
-  bool pool_buffers = true;                 ///< CPU: take the units' buffers from a BufferPool and reuse them,
-                                            ///< instead of malloc and free every step (Note [Why FSDP pools its
-                                            ///< buffers] in common); false: the device's allocator
+  bool reshard_after_forward = true;         ///< units: free after forward, gather again in backward
+  bool root_reshard_after_forward = false;   ///< the root: FSDP2 keeps it gathered until its backward
+  MixedPrecision mixed_precision;            ///< param / reduce dtypes (default: none, all original)
+  ReducerFactory reducer;                    ///< makes each unit's gradient reducer (empty: stage 03's
+                                             ///< reduce_scatter hook, the average in the reduce dtype, on the
+                                             ///< wrapper's group); hook_reducers("fp16") / ("bf16") compress
+  bool allow_unused_parameters = false;      ///< false: a trainable parameter without gradient is an error
+  bool pool_buffers = true;                  ///< CPU: take the units' buffers from a BufferPool and reuse them,
+                                             ///< instead of malloc and free every step (Note [Why FSDP pools its
+                                             ///< buffers] in common); false: the device's allocator
+  std::shared_ptr<const GatherSeam> gather;  ///< how every unit's all-gather packs and unpacks its shards
+                                             ///< (gather.h; null: cast_gather(), the shards in the param dtype)
 };
 
 /// How a step of several micro-batches accumulates its gradients (FullyShardedModel::memory_theory).

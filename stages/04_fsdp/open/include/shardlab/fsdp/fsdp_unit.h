@@ -24,6 +24,7 @@
 
 #include "shardlab/core/comm/communicator.h"
 #include "shardlab/core/storage/buffer_pool.h"
+#include "shardlab/fsdp/gather.h"
 #include "shardlab/fsdp/memory.h"
 #include "shardlab/fsdp/mixed_precision.h"
 #include "shardlab/fsdp/reducer.h"
@@ -108,9 +109,10 @@ class FsdpUnit {
   int64_t gathered_capacity_bytes() const;
   /// Bytes of the sharded buffer (this rank's padded shards).
   int64_t sharded_bytes() const;
-  /// Bytes an all-gather in flight holds: its output (S blocks of the padded shards, param dtype), with a param
-  /// dtype that differs from the original the cast shards it sends, and the Communicator's private copies
-  /// (Communicator::all_gather_scratch_bytes).
+  /// Bytes an all-gather in flight holds: its output (S blocks of what the gather seam sends: the padded shards in
+  /// the param dtype by default), what the seam packs and unpacks beside them (GatherSeam::pack_bytes and
+  /// unpack_bytes: by default, with a param dtype that differs from the original, the cast shards it sends), and the
+  /// Communicator's private copies (Communicator::all_gather_scratch_bytes).
   int64_t all_gather_bytes() const;
   /// Bytes the all-gather buffer holds now (its storage; 0 unless an all-gather is in flight).
   int64_t all_gather_bytes_held() const;
