@@ -241,6 +241,14 @@ class Trace:
             raise ValueError(f"no '{name}' sample before {t:.3f} ms: was this an FSDP run?")
         return before[-1]["args"][key]
 
+    def counter_before(self, t, name="fsdp memory", key="param_bytes"):
+        """A counter's value just before its last change at or before t: what was held before the allocation or free
+        that led up to t (before an all-gather's own buffer, at its launch)."""
+        before = [e for e in self.counters if e["name"] == name and key in e.get("args", {}) and e["start"] <= t]
+        if len(before) < 2:
+            raise ValueError(f"no '{name}' sample before the last one at {t:.3f} ms")
+        return before[-2]["args"][key]
+
     def counter_max(self, start, end, name="fsdp memory", key="param_bytes"):
         """The highest value a counter held over [start, end)."""
         return max([self.counter_at(start, name, key)] +
@@ -527,7 +535,8 @@ def fsdp_step(run, step=None, rank=0):
     forward_gathers, backward_gathers, reduce_scatters: the collectives' spans in launch order, each with its
     "unit"; param_times/param_bytes and grad_times/grad_bytes: the bytes held over the step (the "fsdp memory"
     counter, a step function from the step's start to its end); held_at(t) and held_max(a, b): the parameter bytes
-    held at time t and the most held over [a, b); waits: the step's wait spans in order; start, end and the compute
+    held at time t and the most held over [a, b); held_before(t): what was held before the last allocation or free at
+    or before t (at an all-gather's launch: before its buffer, which is made just before it); waits: the step's wait spans in order; start, end and the compute
     spans (ms)."""
     trace = load_trace(run, rank)
     s = trace.steps()[-1] if step is None else step
@@ -540,6 +549,7 @@ def fsdp_step(run, step=None, rank=0):
         "forward_gathers": fwd, "backward_gathers": bwd, "reduce_scatters": scatters,
         "collectives": trace.within(start, end, "comm"), "waits": trace.within(start, end, "wait"),
         "held_at": lambda t: trace.counter_at(t, key="param_bytes"),
+        "held_before": lambda t: trace.counter_before(t, key="param_bytes"),
         "held_max": lambda a, b: trace.counter_max(a, b, key="param_bytes"),
         "param_times": param_times, "param_bytes": param_bytes,
         "grad_times": grad_times, "grad_bytes": grad_bytes,

@@ -69,7 +69,8 @@ TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
                       << "x), accounting " << expected << "; gradient bytes measured " << m.peak_grad_bytes
                       << ", theory " << t.peak_grad_bytes << "\n";
           EXPECT_EQ(m.peak_param_bytes, expected);
-          EXPECT_EQ(m.peak_param_bytes, t.peak_param_bytes) << "the theory counts every buffer the design holds";
+          EXPECT_EQ(m.peak_param_bytes, t.peak_param_bytes)
+              << "the theory counts every buffer the design holds; the meter counted what was allocated";
           EXPECT_EQ(m.param_bytes, t.sharded_param_bytes) << "after the step only the shards are held";
           EXPECT_EQ(m.grad_bytes, t.sharded_grad_bytes) << "after the step only the sharded gradients are held";
           // Gradients, in a step whose sharded gradients are already there (zeroed in place): the theory walks the

@@ -1,5 +1,6 @@
-// A unit's memory (fsdp_unit.h): the bytes its buffers hold, and what the meter counts of them. The unit's state
-// machine (fsdp_unit.cpp) never calls the meter: see Note [Counting a unit's memory].
+// A unit's memory (fsdp_unit.h): the bytes its buffers should hold (what the theory reads), and what the meter counts
+// of its gradients. The unit's state machine (fsdp_unit.cpp) never calls the meter: see Note [Counting a unit's
+// memory].
 #include "shardlab/fsdp/fsdp_unit.h"
 
 #include "shardlab/core/storage/flat_storage.h"
@@ -14,21 +15,22 @@ int64_t bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<int64_t
 }  // namespace
 
 // Note [Counting a unit's memory]
-// The meter counts what the unit's buffers hold, from two sources, both in this file:
-//  - the parameters' buffers follow the state: a sharded unit holds its sharded buffer; an unsharding one also the
-//    all-gather's (all_gather_bytes()); an unsharded one the gathered buffer instead. Every transition emits its
-//    event, and count_event moves the count from the old state to the new one, the new state's bytes counted before
-//    the old one's are released: finish_unshard's copy-out writes the gathered buffer while the all-gather buffer is
-//    still there, and the peak holds both.
+// The meter counts what the unit's buffers hold, from two sources:
+//  - the parameters' buffers are counted where they are allocated: the sharded buffer, the gathered buffer, the
+//    all-gather's buffers and what the gather seam packs and unpacks come from the unit's CountingAllocators
+//    (memory.h), which count a block when it is allocated and release it when it is freed. The state machine holds
+//    no accounting: it frees the gathered buffer (free_storage) and drops the all-gather's buffers and handle, and
+//    the blocks are given back, and uncounted, at that moment. What is counted is what the allocator handed out, not
+//    a formula: all_gather_bytes() and gathered_capacity_bytes() are the theory's (fsdp_memory.cpp), and a wrong
+//    one shows as a measured peak that differs from it. Not counted: the Communicator's private copies (bf16 on
+//    Gloo, Gloo's own all-gather: all_gather_comm_bytes(), stated by Note [What the Communicator allocates] and
+//    tested against a counting allocator in common/), which the theory reports beside the peak.
 //  - the gradients are counted as they are now (count(): by the storage each one really has), where they are made or
 //    freed: when the wrapper notes an unsharded gradient autograd accumulated, when stash_gradients makes an
 //    accumulator (before the gradient it copies is freed: their peak), after a reduction freed them, when it lands
 //    (the sharded gradients it made, and those the optimizer dropped), and when a failed backward's are discarded.
 //    A reduction's own buffers are counted from its launch, by the phases it frees them in: Note [A reduction's
-//    bytes, phase by phase].
-// Counting at events rather than at each allocation keeps the state machine free of accounting and leaves the figures
-// as they were: the same bytes counted and released in the same order, so the same peaks. (The meter's samples, for
-// timelines, differ a little: none for zero bytes, and a reduction's after its launch rather than before its fill.)
+//    bytes, phase by phase]. (Counting these at their allocation too, autograd's included, is the next step.)
 //
 // Note [A reduction's bytes, phase by phase]
 // A reduction holds its input (S rows), its output (one row) and the reducer's scratch (reduce_bytes()) from its
@@ -52,9 +54,14 @@ int64_t FsdpUnit::all_gather_bytes_held() const { return storage_bytes(all_gathe
 int64_t FsdpUnit::all_gather_bytes() const {
   const GatherWire wire = gather_->wire(shard_numel_, dtypes_.param);
   return comm_.size() * wire.numel * static_cast<int64_t>(c10::elementSize(wire.dtype)) +
-         gather_->pack_bytes(shard_numel_, dtypes_.orig, dtypes_.param) +
-         gather_->unpack_bytes(shard_numel_, dtypes_.param) +
-         comm_.all_gather_scratch_bytes(wire.dtype, wire.numel, sharded_flat_.device());
+         gather_->pack_bytes(shard_numel_, dtypes_.orig, dtypes_.param);
+}
+
+int64_t FsdpUnit::unpack_bytes() const { return gather_->unpack_bytes(shard_numel_, dtypes_.param); }
+
+int64_t FsdpUnit::all_gather_comm_bytes() const {
+  const GatherWire wire = gather_->wire(shard_numel_, dtypes_.param);
+  return comm_.all_gather_scratch_bytes(wire.dtype, wire.numel, sharded_flat_.device());
 }
 
 int64_t FsdpUnit::unsharded_grad_bytes() const {
@@ -81,35 +88,7 @@ int64_t FsdpUnit::deferred_bytes() const {
 }
 
 void FsdpUnit::emit(UnitEventKind kind) {
-  count_event(kind);
   if (sink_) sink_(kind);
-}
-
-void FsdpUnit::count_event(UnitEventKind kind) {
-  UnitState to = counted_state_;
-  switch (kind) {
-    case UnitEventKind::kBeginUnshard:
-      to = UnitState::kUnsharding;
-      break;
-    case UnitEventKind::kFinishUnshard:
-      to = UnitState::kUnsharded;
-      break;
-    case UnitEventKind::kReshard:
-      to = UnitState::kSharded;
-      break;
-    case UnitEventKind::kReduceLaunched:
-    case UnitEventKind::kReduceLanded:
-      return;  // the gradients' side: count_reduction, count_reduction_done
-  }
-  // Beyond the sharded buffer (counted from construction): what each state holds.
-  const auto beyond_shards = [this](UnitState state) {
-    if (state == UnitState::kUnsharding) return all_gather_bytes();
-    return state == UnitState::kUnsharded ? gathered_capacity_bytes() : int64_t{0};
-  };
-  const int64_t held = beyond_shards(counted_state_), holds = beyond_shards(to);
-  counted_state_ = to;
-  if (holds > 0) meter_.allocate(MemoryKind::kParams, holds);
-  if (held > 0) meter_.release(MemoryKind::kParams, held);
 }
 
 void FsdpUnit::count(MemoryKind kind, Counted& counted, const at::Tensor& now) {

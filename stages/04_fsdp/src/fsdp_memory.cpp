@@ -1,6 +1,6 @@
 // FullyShardedModel's memory theory: the peaks a step should reach for this layout, these options and this
-// schedule (MemoryTheory), walked over the expected forward and its backward. What MemoryMeter measures (memory.h)
-// is compared with it.
+// schedule (MemoryTheory), walked over the expected forward and its backward. What MemoryMeter measures (memory.h:
+// the parameters' buffers where they are allocated) is compared with it.
 #include "shardlab/fsdp/fsdp.h"
 
 #include <c10/core/ScalarType.h>
@@ -18,8 +18,9 @@ namespace shardlab::fsdp {
 // what is in flight beside the unit at its copy-out. So the theory walks the forward in its expected order
 // (expected_forward_order(): the last forward's, or registration order with the root first; a prefetch schedule
 // predicts the same) and keeps the largest of, at each unit u:
-//  - its copy-out: what stays gathered so far + u's gathered buffer + u's all-gather buffer + those of the units
-//    already ahead beside it (the next k-1 when k units may be ahead; none before the first unit);
+//  - its copy-out: what stays gathered so far + u's gathered buffer + u's all-gather buffers (and one block the gather
+//    seam unpacks) + those of the units already ahead beside it (the next k-1 when k units may be ahead; none before
+//    the first unit);
 //  - right after it, when the schedule prefetches: the same without u's all-gather buffer, with the next k units'.
 // The walk is the steady state: a forward that runs its units in the expected order. A forward that does not (the
 // first one of a model registered in another order than it runs, or one that skips a unit) may hold a prefetched
@@ -46,7 +47,8 @@ int64_t FullyShardedModel::parameter_peak(int64_t ahead) const {
       const FsdpUnit& unit = *units_[units[i]];
       const int64_t beside = i == 0 ? 0 : next_all_gathers(i, ahead - 1);
       const int64_t gathered = held + unit.gathered_capacity_bytes();
-      peak = std::max({peak, gathered + unit.all_gather_bytes() + beside, gathered + next_all_gathers(i, ahead)});
+      peak = std::max({peak, gathered + unit.all_gather_bytes() + unit.unpack_bytes() + beside,
+                       gathered + next_all_gathers(i, ahead)});
       if (stays(units[i])) held = gathered;
     }
     return peak;
@@ -141,6 +143,7 @@ MemoryTheory FullyShardedModel::memory_theory(int micro_batches, Accumulation ac
         t.sharded_grad_bytes += fp.sharded.numel() * static_cast<int64_t>(c10::elementSize(unit.dtypes().orig));
     t.largest_reduce_bytes = std::max(t.largest_reduce_bytes, unit.reduce_bytes());
     t.largest_all_gather_bytes = std::max(t.largest_all_gather_bytes, unit.all_gather_bytes());
+    t.largest_all_gather_comm_bytes = std::max(t.largest_all_gather_comm_bytes, unit.all_gather_comm_bytes());
     if (is_root) {
       t.root_bytes = unit.gathered_capacity_bytes();
     } else {

@@ -125,13 +125,16 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   counted_sharded_.resize(params_.size());
 
   at::NoGradGuard no_grad;
-  sharded_flat_ = at::empty({shard_numel_}, first.options().requires_grad(false));
-  gathered_ = first.is_cpu() && pool_ != nullptr
-                  ? pool_->empty(gathered_numel_, dtypes_.param)  // regrow_storage draws from the pool too
-                  : at::empty({gathered_numel_}, first.options().dtype(dtypes_.param).requires_grad(false));
+  // The parameters' buffers are counted where they are allocated (Note [Counting a unit's memory]): the shards from
+  // the device's allocator, the rest from the pool on CPU (regrow_storage draws the gathered buffer from it too).
+  c10::Allocator* device_allocator = c10::GetAllocator(first.device().type());
+  shards_allocator_ = std::make_unique<CountingAllocator>(device_allocator, meter_, MemoryKind::kParams);
+  buffers_allocator_ = std::make_unique<CountingAllocator>(
+      first.is_cpu() && pool_ != nullptr ? pool_ : device_allocator, meter_, MemoryKind::kParams);
+  sharded_flat_ = shards_allocator_->empty(shard_numel_, first.scalar_type(), first.device());
+  gathered_ = buffers_allocator_->empty(gathered_numel_, dtypes_.param, first.device());
   // TODO(stage04): copy in this rank's shard of every parameter; make the sharded and the gathered slots
   throw ::shardlab::NotImplemented("04", "copy in this rank's shard of every parameter; make the sharded and the gathered slots");
-  count(MemoryKind::kParams, counted_shards_, sharded_flat_);
 }
 
 void FsdpUnit::validate(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& params) {
@@ -168,11 +171,11 @@ FsdpUnit::~FsdpUnit() {
     all_gather_.wait();  // it writes into our buffers
   } catch (...) {        // a destructor must not throw; finish_unshard reported (or will report) the error
   }
-  // The registered parameters alias the gathered buffer and may outlive this unit and its pool (the model is the
-  // user's): a later regrow or resize must not reach a pool that is gone. A block the storage holds now goes back
-  // to the pool's state, which outlives its blocks.
-  if (pool_ != nullptr && gathered_.defined() && gathered_.is_cpu())
-    gathered_.storage().unsafeGetStorageImpl()->set_allocator(c10::GetCPUAllocator());
+  // The registered parameters alias the gathered buffer and may outlive this unit, its allocators and its pool (the
+  // model is the user's): a later regrow or resize must not reach an allocator that is gone. A block the storage
+  // holds now goes back to the pool's state and is uncounted in the meter's, which both outlive their blocks.
+  if (gathered_.defined())
+    gathered_.storage().unsafeGetStorageImpl()->set_allocator(c10::GetAllocator(gathered_.device().type()));
 }
 
 bool FsdpUnit::has_frozen() const {
@@ -188,6 +191,10 @@ size_t FsdpUnit::trainable_count() const {
 }
 
 at::Tensor FsdpUnit::new_buffer(int64_t numel, c10::ScalarType dtype) const {
+  return buffers_allocator_->empty(numel, dtype, sharded_flat_.device());
+}
+
+at::Tensor FsdpUnit::reduction_buffer(int64_t numel, c10::ScalarType dtype) const {
   if (pool_ != nullptr && sharded_flat_.is_cpu()) return pool_->empty(numel, dtype);
   return at::empty({numel}, sharded_flat_.options().dtype(dtype));
 }
@@ -219,6 +226,7 @@ void FsdpUnit::wait_for_all_gather() {
   }
   // What the host waited for is recorded: it is exposed communication.
   comm_.recorder().record_wait("fsdp unshard", wait_start, now_ns());
+  all_gather_ = Handle();  // done: what it kept of our buffers goes now, not at the next unshard
 }
 
 void FsdpUnit::finish_unshard() {
@@ -266,8 +274,8 @@ void FsdpUnit::stash_gradients() {
 Handle FsdpUnit::reduce_gradients(std::vector<std::string>* missing) {
   const int world = comm_.size();
   at::NoGradGuard no_grad;
-  at::Tensor input = new_buffer(world * grad_row_numel_, dtypes_.reduce).view({world, grad_row_numel_});
-  at::Tensor output = new_buffer(grad_row_numel_, dtypes_.reduce);
+  at::Tensor input = reduction_buffer(world * grad_row_numel_, dtypes_.reduce).view({world, grad_row_numel_});
+  at::Tensor output = reduction_buffer(grad_row_numel_, dtypes_.reduce);
   // TODO(stage04): fill `input` from the unsharded gradients (reducer.h: its layout); they are freed
   throw ::shardlab::NotImplemented("04", "fill `input` from the unsharded gradients (reducer.h: its layout); they are freed");
   Handle reduced = (*reducer_)(input.view({-1}), output);

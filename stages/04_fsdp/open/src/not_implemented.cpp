@@ -90,7 +90,7 @@ auto FullyShardedModel::root() const -> const FsdpUnit* {
   throw ::shardlab::NotImplemented("04", "FullyShardedModel::root");
 }
 
-auto FullyShardedModel::memory() const -> const MemoryStats& {
+auto FullyShardedModel::memory() const -> MemoryStats {
   throw ::shardlab::NotImplemented("04", "FullyShardedModel::memory");
 }
 
@@ -154,7 +154,7 @@ auto FullyShardedModel::record_memory_samples(bool on) -> void {
   throw ::shardlab::NotImplemented("04", "FullyShardedModel::record_memory_samples");
 }
 
-auto FullyShardedModel::memory_samples() const -> const std::vector<MemorySample>& {
+auto FullyShardedModel::memory_samples() const -> std::vector<MemorySample> {
   throw ::shardlab::NotImplemented("04", "FullyShardedModel::memory_samples");
 }
 
@@ -218,6 +218,14 @@ auto FsdpUnit::sharded_bytes() const -> int64_t {
 
 auto FsdpUnit::all_gather_bytes() const -> int64_t {
   throw ::shardlab::NotImplemented("04", "FsdpUnit::all_gather_bytes");
+}
+
+auto FsdpUnit::unpack_bytes() const -> int64_t {
+  throw ::shardlab::NotImplemented("04", "FsdpUnit::unpack_bytes");
+}
+
+auto FsdpUnit::all_gather_comm_bytes() const -> int64_t {
+  throw ::shardlab::NotImplemented("04", "FsdpUnit::all_gather_comm_bytes");
 }
 
 auto FsdpUnit::all_gather_bytes_held() const -> int64_t {

@@ -137,7 +137,10 @@ struct MemoryTheory {
                                          ///< reduce-scatter buffers, or beside the previous unit's in flight
   int64_t largest_reduce_bytes = 0;      ///< the largest unit's reduce-scatter buffers (FsdpUnit::reduce_bytes)
   int64_t largest_all_gather_bytes = 0;  ///< the largest unit's all-gather buffers (FsdpUnit::all_gather_bytes)
-  int64_t ahead = 0;                     ///< units the schedule may hold ahead of their use (UnshardSchedule)
+  /// The Communicator's private copies of the largest unit's all-gather (FsdpUnit::all_gather_comm_bytes): held
+  /// beside the peak while it is in flight, and not in it (the meter counts FSDP's own allocations).
+  int64_t largest_all_gather_comm_bytes = 0;
+  int64_t ahead = 0;  ///< units the schedule may hold ahead of their use (UnshardSchedule)
 };
 
 /// Wraps a Model so that N ranks train it sharded, exactly like one device on the union of their batches.
@@ -294,7 +297,7 @@ class FullyShardedModel : public ParallelModel {
   const FsdpUnit* root() const { return has_root_ ? units_.back().get() : nullptr; }
 
   /// Bytes held now and peaks since reset_memory_peaks() (see MemoryMeter).
-  const MemoryStats& memory() const { return meter_.stats(); }
+  MemoryStats memory() const { return meter_.stats(); }
   /// Starts a new peak window (e.g. at the start of each step).
   void reset_memory_peaks() { meter_.reset_peaks(); }
   /// What the peaks of a step should be for this layout and these options, the step made of `micro_batches`
@@ -340,7 +343,7 @@ class FullyShardedModel : public ParallelModel {
   /// Keeps a sample of the bytes held at every allocation and free from now on (for timelines; off by default).
   void record_memory_samples(bool on) { meter_.record_samples(on); }
   /// The samples kept so far.
-  const std::vector<MemorySample>& memory_samples() const { return meter_.samples(); }
+  std::vector<MemorySample> memory_samples() const { return meter_.samples(); }
 
  private:
   // Construction (fsdp_build.cpp).

@@ -164,11 +164,16 @@ class FsdpUnit {
   int64_t gathered_capacity_bytes() const;
   /// Bytes of the sharded buffer (this rank's padded shards).
   int64_t sharded_bytes() const;
-  /// Bytes an all-gather in flight holds: its output (S blocks of what the gather seam sends: the padded shards in
-  /// the param dtype by default), what the seam packs and unpacks beside them (GatherSeam::pack_bytes and
-  /// unpack_bytes: by default, with a param dtype that differs from the original, the cast shards it sends), and the
-  /// Communicator's private copies (Communicator::all_gather_scratch_bytes).
+  /// Bytes the unit's own buffers of an all-gather in flight should hold, in theory: its output (S blocks of what the
+  /// gather seam sends: the padded shards in the param dtype by default) and what the seam packs (GatherSeam::
+  /// pack_bytes: by default, with a param dtype that differs from the original, the cast shards it sends). What the
+  /// meter measures is counted where it is allocated (Note [Counting a unit's memory]), not from this.
   int64_t all_gather_bytes() const;
+  /// Bytes the gather seam makes to unpack one rank's block at the copy-out (GatherSeam::unpack_bytes; 0 by default).
+  int64_t unpack_bytes() const;
+  /// Bytes the Communicator holds privately while the unit's all-gather is in flight
+  /// (Communicator::all_gather_scratch_bytes: bf16 on Gloo, Gloo's own all-gather), which the meter does not count.
+  int64_t all_gather_comm_bytes() const;
   /// Bytes the all-gather buffer holds now (its storage; 0 unless an all-gather is in flight).
   int64_t all_gather_bytes_held() const;
   /// Bytes of the unsharded gradients of the trainable parameters (param dtype), all of them at once.
@@ -221,9 +226,13 @@ class FsdpUnit {
   // Copy-out of rank r: its real rows of every parameter, from `shards` (rank r's padded shards, dst's dtype), into
   // `dst` (the unit's parameters, flat).
   void copy_out(int r, const at::Tensor& shards, const at::Tensor& dst) const;
-  at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;  // from the pool when there is one
-  BufferMaker buffer_maker() const;                                   // new_buffer, for the gather seam
-  // Reports `kind` to the sink, after the meter has counted what the transition holds (count_event).
+  // A parameter buffer (the all-gather's, the seam's), counted where it is allocated: from the pool when there is
+  // one, else the device's allocator.
+  at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;
+  BufferMaker buffer_maker() const;  // new_buffer, for the gather seam
+  // A reduction's buffer, from the pool when there is one (counted at the reduction's events).
+  at::Tensor reduction_buffer(int64_t numel, c10::ScalarType dtype) const;
+  // Reports `kind` to the sink.
   void emit(UnitEventKind kind);
 
   // The meter's counts (fsdp_unit_memory.cpp; Note [Counting a unit's memory]). Nothing else calls the meter.
@@ -237,7 +246,6 @@ class FsdpUnit {
     int64_t first = 0;
     int64_t second = 0;
   };
-  void count_event(UnitEventKind kind);  // the parameters' buffers, by the transition `kind` made
   void count(MemoryKind kind, Counted& counted, const at::Tensor& now);  // `counted` becomes what `now` holds
   void count_gradient(size_t k);             // params_[k]'s accumulator, then its unsharded gradient, as they are now
   void count_unsharded_gradients();          // every parameter's, by count_gradient
@@ -253,6 +261,8 @@ class FsdpUnit {
   MemoryMeter& meter_;
   BufferPool* pool_;                          // null: the device's allocator
   std::shared_ptr<const GatherSeam> gather_;  // never null
+  // Count the parameters' buffers in meter_ where they are allocated: the shards, and the rest (pooled on CPU).
+  std::unique_ptr<CountingAllocator> shards_allocator_, buffers_allocator_;
   std::vector<FsdpParam> params_;
   int64_t shard_numel_ = 0;              // Σ padded shard numel: the sharded buffer, one block of the all-gather
   int64_t gathered_numel_ = 0;           // Σ numel: the gathered buffer
@@ -263,10 +273,8 @@ class FsdpUnit {
   at::Tensor all_gather_in_;             // this rank's block (the seam's pack); only while unsharding
   Handle all_gather_;                    // pending while unsharding
   std::vector<at::Tensor> accumulated_;  // per parameter: stash_gradients' reduce-dtype accumulator, or undefined
-  // What the meter counts now: the sharded buffer, the other parameters' buffers by state, and per parameter its
-  // unsharded gradient, its accumulator and its sharded gradient; the reducer's held_bytes().
-  Counted counted_shards_;
-  UnitState counted_state_ = UnitState::kSharded;
+  // What the meter counts now of the gradients: per parameter its unsharded gradient, its accumulator and its
+  // sharded gradient; the reducer's held_bytes(). (The parameters' buffers count themselves: CountingAllocator.)
   std::vector<Counted> counted_unsharded_, counted_accumulated_, counted_sharded_;
   int64_t reducer_bytes_ = 0;
   std::function<void(UnitEventKind)> sink_;  // set_event_sink

@@ -109,11 +109,16 @@ class FsdpUnit {
   int64_t gathered_capacity_bytes() const;
   /// Bytes of the sharded buffer (this rank's padded shards).
   int64_t sharded_bytes() const;
-  /// Bytes an all-gather in flight holds: its output (S blocks of what the gather seam sends: the padded shards in
-  /// the param dtype by default), what the seam packs and unpacks beside them (GatherSeam::pack_bytes and
-  /// unpack_bytes: by default, with a param dtype that differs from the original, the cast shards it sends), and the
-  /// Communicator's private copies (Communicator::all_gather_scratch_bytes).
+  /// Bytes the unit's own buffers of an all-gather in flight should hold, in theory: its output (S blocks of what the
+  /// gather seam sends: the padded shards in the param dtype by default) and what the seam packs (GatherSeam::
+  /// pack_bytes: by default, with a param dtype that differs from the original, the cast shards it sends). What the
+  /// meter measures is counted where it is allocated (Note [Counting a unit's memory]), not from this.
   int64_t all_gather_bytes() const;
+  /// Bytes the gather seam makes to unpack one rank's block at the copy-out (GatherSeam::unpack_bytes; 0 by default).
+  int64_t unpack_bytes() const;
+  /// Bytes the Communicator holds privately while the unit's all-gather is in flight
+  /// (Communicator::all_gather_scratch_bytes: bf16 on Gloo, Gloo's own all-gather), which the meter does not count.
+  int64_t all_gather_comm_bytes() const;
   /// Bytes the all-gather buffer holds now (its storage; 0 unless an all-gather is in flight).
   int64_t all_gather_bytes_held() const;
   /// Bytes of the unsharded gradients of the trainable parameters (param dtype), all of them at once.
