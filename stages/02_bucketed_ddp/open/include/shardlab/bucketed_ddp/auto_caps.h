@@ -37,7 +37,10 @@ struct CapChoice {
 /// calls after_optimizer_step alike. `ddp` and `comm` (the group `ddp` reduces over) must outlive it.
 class AutoCaps : public StepSeam {
  public:
+  /// Tunes `ddp`, which reduces over `comm`; both must outlive it.
   AutoCaps(BucketedDDP& ddp, Communicator& comm) : ddp_(ddp), comm_(comm) {}
+  /// Counts the step; after the first one whose backward ran on rebuilt buckets, tunes (a collective), unless
+  /// set_caps already chose the caps. Every rank alike, after every optimizer step.
   void after_optimizer_step() override;
   /// The choice, once made; empty before, and for caps set_caps had already chosen.
   const std::optional<CapChoice>& choice() const { return choice_; }

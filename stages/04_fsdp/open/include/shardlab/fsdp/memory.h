@@ -73,6 +73,7 @@ class CountingAllocator final : public c10::Allocator {
  public:
   /// Counts `inner`'s blocks (never null; it must outlive this allocator's blocks) in `meter` as `kind`.
   CountingAllocator(c10::Allocator* inner, MemoryMeter& meter, MemoryKind kind);
+  /// A block of `n` bytes from the inner allocator, counted until it is freed.
   c10::DataPtr allocate(size_t n) SHARDLAB_ALLOCATE_CONST override;
   SHARDLAB_ALLOCATOR_COPY_DATA
   /// An uninitialized contiguous tensor of `numel` elements of `dtype` on `device` (the inner allocator's), whose
