@@ -104,5 +104,54 @@ TEST(GatherSeam, ACompressedAllGatherPlugsInThroughOptionsAndOnlyTheUnshardUsesI
       test_group());
 }
 
+// A seam that breaks its own contract (pack gives a block of another size than its wire(), unpack another dtype than
+// the param dtype) is refused with an error naming the unit and what was expected, before the all-gather is issued
+// or before the copy-out writes a parameter.
+class WrongSizes final : public GatherSeam {
+ public:
+  explicit WrongSizes(bool pack_wrong) : pack_wrong_(pack_wrong) {}
+  GatherWire wire(int64_t shard_numel, c10::ScalarType param_dtype) const override {
+    return {shard_numel, param_dtype};
+  }
+  at::Tensor pack(const at::Tensor& shards, c10::ScalarType param_dtype, const BufferMaker& buffer) const override {
+    return pack_wrong_ ? buffer(shards.numel() + 1, param_dtype) : shards;
+  }
+  at::Tensor unpack(const at::Tensor& block, int64_t, c10::ScalarType, const BufferMaker&) const override {
+    return pack_wrong_ ? block : block.to(at::kDouble);
+  }
+  int64_t pack_bytes(int64_t, c10::ScalarType, c10::ScalarType) const override { return 0; }
+  int64_t unpack_bytes(int64_t, c10::ScalarType) const override { return 0; }
+
+ private:
+  bool pack_wrong_;
+};
+
+TEST(GatherSeam, ASeamThatBreaksItsContractIsRefusedNamingTheUnit) {
+  const auto data = make_dataset("mlp", 5);
+  for (const bool pack_wrong : {true, false}) {
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          Options options;
+          options.gather = std::make_shared<WrongSizes>(pack_wrong);
+          FullyShardedModel fsdp(make_model("mlp", 5), comm, options);
+          const size_t mark = comm.recorder().size();
+          try {
+            fsdp.loss(rank_slice(data->global_batch(0, 8), comm.rank(), 2));
+            ADD_FAILURE() << "a seam whose " << (pack_wrong ? "pack" : "unpack") << " breaks its contract was taken";
+          } catch (const std::invalid_argument& e) {
+            const std::string what = e.what();
+            EXPECT_NE(what.find(std::string("the gather seam's ") + (pack_wrong ? "pack" : "unpack") + " gave"),
+                      std::string::npos)
+                << what;
+            EXPECT_NE(what.find("FSDP unit '"), std::string::npos) << what;
+            if (comm.rank() == 0) std::cout << what << "\n";
+          }
+          if (pack_wrong) EXPECT_EQ(comm.recorder().size(), mark) << "an all-gather issued with a wrong block";
+        },
+        test_group());
+  }
+}
+
 }  // namespace
 }  // namespace shardlab::fsdp

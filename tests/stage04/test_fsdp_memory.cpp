@@ -46,13 +46,10 @@ TEST(FullyShardedModel, MeasuredPeakEqualsTheAccountingOfTheLayout) {
           fsdp.loss(rank_slice(data->global_batch(0, c.global_batch), comm.rank(), 2)).backward();
           const MemoryTheory t = fsdp.memory_theory();
           // The copy-out needs the all-gather buffer (S blocks of the unit's shards) beside the gathered buffer, for
-          // the unit being gathered, and what the Communicator holds while it gathers (Gloo 1.13's list all-gather
-          // fills a flat output of its own: Note [What the Communicator allocates]). raf: the largest such moment
-          // is the root plus one block; kept: every block.
-          auto gather_buffers = [&](const FsdpUnit& unit) {
-            return 2 * unit.sharded_bytes() +
-                   comm.all_gather_scratch_bytes(at::kFloat, unit.sharded_bytes() / 4, c10::Device(c10::kCPU));
-          };
+          // the unit being gathered: what the unit allocated, as the meter counts it (the Communicator's own copies,
+          // Note [What the Communicator allocates], are stated beside: largest_all_gather_comm_bytes). raf: the
+          // largest such moment is the root plus one block; kept: every block.
+          auto gather_buffers = [&](const FsdpUnit& unit) { return 2 * unit.sharded_bytes(); };
           int64_t largest_gather = 0, every_block = 0;
           for (size_t u = 0; u + 1 < fsdp.units().size(); ++u) {
             const FsdpUnit& unit = *fsdp.units()[u];

@@ -84,6 +84,8 @@ expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "65536x65536"], 2,
 expect([shardlab, "train", "--strategy", "hsdp", "--mesh", "4x1"], 2,
        "--strategy hsdp shards over S >= 2 ranks per replica; got a 4x1 mesh (a mesh of shard size 1 is DDP: "
        "--strategy bucketed_ddp)")
+expect([shardlab, "train", "--strategy", "fsdp", "--world-size", "1"], 2,
+       "--strategy fsdp shards over S >= 2 ranks per replica; got a 1x1 mesh (one rank: --strategy single)")
 expect([shardlab, "train", "--strategy", "hsdp", "--world-size", "1"], 2,
        "--strategy hsdp shards over S >= 2 ranks per replica; got a 1x1 mesh")
 expect([shardlab, "train", "--strategy", "hsdp", "--defer-all-reduce", "yes"], 2,

@@ -246,8 +246,8 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
     throw std::invalid_argument("--strategy " + o.strategy + " runs on one rank; got --world-size " +
                                 std::to_string(o.world_size) + " (drop the flag or pass 1)");
   if (one_rank) o.world_size = 1;
-  if (allow_strategy && can.mesh) {  // the library's parallelize: an Rx1 mesh would be DDP, not this strategy
-    const auto [replicas, shards] = mesh_shape(o.strategy_options, world);
+  if (allow_strategy && can.shards) {  // built by parallelize: a mesh of shard size 1 would be DDP, not this strategy
+    const auto [replicas, shards] = find_strategy(o.strategy).mesh(o.strategy_options, world);
     if (shards < 2)
       throw std::invalid_argument("--strategy " + o.strategy + " shards over S >= 2 ranks per replica; got a " +
                                   std::to_string(replicas) + "x" + std::to_string(shards) +

@@ -154,6 +154,9 @@ std::unique_ptr<StepRunner> make_runner(const Strategy& strategy, const TrainCon
   SHARDLAB_INTERNAL_ASSERT(world != nullptr && strategy.mesh && strategy.policy,
                            "strategy " + strategy.name + ": neither a factory of its own nor a mesh and a policy");
   const auto [r, sh] = strategy.mesh(s, world->size());
+  SHARDLAB_INTERNAL_ASSERT(!strategy.can.shards || sh >= 2, "strategy " + strategy.name + " shards, on a " +
+                                                                std::to_string(r) + "x" + std::to_string(sh) +
+                                                                " mesh (check_run_options refuses S < 2)");
   auto mesh = std::make_shared<Mesh>(*world, r, sh);
   ParallelPolicy policy = strategy.policy(c, s);
   std::shared_ptr<Model> model;

@@ -87,8 +87,9 @@ struct Traffic {
 struct Theory {
   double collectives = 0;  ///< collectives per step, over every group
   double bytes = 0;        ///< payload bytes per rank per step, over every group
-  /// The same per group role ("world"; HSDP: "shard", "replicate"), the part of a group's name before its ranks
-  /// (group_role). Empty: everything on "world".
+  /// The same per group role, the part of a group's name before its ranks (group_role): "replicate" for the
+  /// strategies on buckets, "shard" for FSDP, both for HSDP (the groups of the mesh parallelize() was given). Empty:
+  /// everything on "world" (naive DDP).
   std::map<std::string, Traffic> groups;
 };
 

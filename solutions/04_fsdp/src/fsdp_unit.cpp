@@ -127,10 +127,12 @@ FsdpUnit::FsdpUnit(std::string name, const std::vector<std::pair<std::string, at
   at::NoGradGuard no_grad;
   // The parameters' buffers are counted where they are allocated (Note [Counting a unit's memory]): the shards from
   // the device's allocator, the rest from the pool on CPU (regrow_storage draws the gathered buffer from it too).
-  c10::Allocator* device_allocator = c10::GetAllocator(first.device().type());
-  shards_allocator_ = std::make_unique<CountingAllocator>(device_allocator, meter_, MemoryKind::kParams);
+  // The allocator at::empty uses on this device (libtorch registers none for CUDA with c10::SetAllocator).
+  device_allocator_ = at::empty({0}, first.options()).storage().allocator();
+  SHARDLAB_INTERNAL_ASSERT(device_allocator_ != nullptr, "FsdpUnit: no allocator for " + first.device().str());
+  shards_allocator_ = std::make_unique<CountingAllocator>(device_allocator_, meter_, MemoryKind::kParams);
   buffers_allocator_ = std::make_unique<CountingAllocator>(
-      first.is_cpu() && pool_ != nullptr ? pool_ : device_allocator, meter_, MemoryKind::kParams);
+      first.is_cpu() && pool_ != nullptr ? pool_ : device_allocator_, meter_, MemoryKind::kParams);
   sharded_flat_ = shards_allocator_->empty(shard_numel_, first.scalar_type(), first.device());
   gathered_ = buffers_allocator_->empty(gathered_numel_, dtypes_.param, first.device());
   // BEGIN SOLUTION(04): copy in this rank's shard of every parameter; make the sharded and the gathered slots
@@ -181,11 +183,12 @@ FsdpUnit::~FsdpUnit() {
     all_gather_.wait();  // it writes into our buffers
   } catch (...) {        // a destructor must not throw; finish_unshard reported (or will report) the error
   }
-  // The registered parameters alias the gathered buffer and may outlive this unit, its allocators and its pool (the
-  // model is the user's): a later regrow or resize must not reach an allocator that is gone. A block the storage
-  // holds now goes back to the pool's state and is uncounted in the meter's, which both outlive their blocks.
-  if (gathered_.defined())
-    gathered_.storage().unsafeGetStorageImpl()->set_allocator(c10::GetAllocator(gathered_.device().type()));
+  // The registered parameters alias the gathered buffer, and the optimizer holds the sharded parameters, slots of
+  // the sharded buffer: both may outlive this unit, its allocators and its pool (the model and the optimizer are the
+  // user's), and a later regrow or resize must not reach an allocator that is gone. A block a storage holds now goes
+  // back to the pool's state and is uncounted in the meter's, which both outlive their blocks.
+  for (const at::Tensor* t : {&gathered_, &sharded_flat_})
+    if (t->defined()) t->storage().unsafeGetStorageImpl()->set_allocator(device_allocator_);
 }
 
 bool FsdpUnit::has_frozen() const {
@@ -209,15 +212,38 @@ at::Tensor FsdpUnit::reduction_buffer(int64_t numel, c10::ScalarType dtype) cons
   return at::empty({numel}, sharded_flat_.options().dtype(dtype));
 }
 
+void FsdpUnit::check_block(const char* what, const at::Tensor& block, const GatherWire& expected) const {
+  if (block.defined() && block.numel() == expected.numel && block.scalar_type() == expected.dtype &&
+      block.device() == sharded_flat_.device() && block.is_contiguous())
+    return;
+  throw std::invalid_argument(
+      "FSDP unit '" + name_ + "': the gather seam's " + what + " gave " +
+      (block.defined() ? describe(block) : std::string("an undefined tensor")) + "; expected a contiguous block of " +
+      std::to_string(expected.numel) + " " + c10::toString(expected.dtype) + " on " + sharded_flat_.device().str() +
+      (std::string(what) == "pack" ? " (its wire())" : " (the padded shards in the param dtype)"));
+}
+
 BufferMaker FsdpUnit::buffer_maker() const {
   return [this](int64_t numel, c10::ScalarType dtype) { return new_buffer(numel, dtype); };
+}
+
+at::Tensor FsdpUnit::pack_block() const {
+  at::Tensor block = gather_->pack(sharded_flat_, dtypes_.param, buffer_maker());
+  check_block("pack", block, gather_->wire(shard_numel_, dtypes_.param));
+  return block;
+}
+
+at::Tensor FsdpUnit::unpack_block(const at::Tensor& block) const {
+  at::Tensor shards = gather_->unpack(block, shard_numel_, dtypes_.param, buffer_maker());
+  check_block("unpack", shards, {shard_numel_, dtypes_.param});
+  return shards;
 }
 
 void FsdpUnit::begin_unshard() {
   if (state_ != UnitState::kSharded) return;
   at::NoGradGuard no_grad;
   // BEGIN SOLUTION(04): issue one all-gather of this rank's block, as the seam packs it (the gathered buffer waits)
-  all_gather_in_ = gather_->pack(sharded_flat_, dtypes_.param, buffer_maker());
+  all_gather_in_ = pack_block();
   all_gather_out_ = new_buffer(comm_.size() * all_gather_in_.numel(), all_gather_in_.scalar_type());
   all_gather_ = comm_.all_gather(all_gather_out_, all_gather_in_);
   state_ = UnitState::kUnsharding;
@@ -259,7 +285,7 @@ void FsdpUnit::finish_unshard() {
     at::NoGradGuard no_grad;
     const at::Tensor blocks = all_gather_out_.view({comm_.size(), -1});
     for (int r = 0; r < comm_.size(); ++r)  // through the buffer: Note [Why the registered tensor never changes]
-      copy_out(r, gather_->unpack(blocks[r], shard_numel_, dtypes_.param, buffer_maker()), gathered_);
+      copy_out(r, unpack_block(blocks[r]), gathered_);
   }
   all_gather_out_ = at::Tensor();
   all_gather_in_ = at::Tensor();

@@ -80,7 +80,7 @@ void check_policy(const Mesh* mesh, const ParallelPolicy& policy) {
                                 " (shard size > 1) gives FSDP or HSDP, which reduce unit by unit, not in buckets; "
                                 "expected the default BucketPolicy, or a mesh with S = 1 (DDP)");
   if (policy.sharding == Sharding::kGradients || policy.sharding == Sharding::kOptimizerState)
-    throw std::invalid_argument(std::string("parallelize: sharding ") +
+    throw std::invalid_argument("parallelize: " + shape + ": sharding " +
                                 (policy.sharding == Sharding::kGradients
                                      ? "the gradients and the optimizer state with the parameters replicated (ZeRO-2)"
                                      : "the optimizer state alone (ZeRO-1)") +

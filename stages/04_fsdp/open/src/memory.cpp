@@ -5,6 +5,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/TensorOptions.h>
 
 #include <algorithm>
 #include <mutex>
@@ -85,12 +86,14 @@ struct CountedBlock {
   std::shared_ptr<MemoryMeter::State> state;
 };
 
-// The block's deleter: the count goes down the moment the block is freed, on whatever thread frees it.
-void free_counted(void* context) {
+// The block's deleter: the count goes down the moment the block is freed, on whatever thread frees it. It runs in a
+// destructor and must not throw: a sample it cannot keep (out of memory) is dropped.
+void free_counted(void* context) noexcept {
   auto* block = static_cast<CountedBlock*>(context);
-  {
+  try {
     std::lock_guard<std::mutex> lock(block->state->mutex);
     block->state->add(block->kind, -block->bytes);
+  } catch (...) {  // std::mutex::lock or the sample's push_back: nothing a deleter can report
   }
   delete block;  // frees the inner block (back to its pool, or to the system)
 }
@@ -104,6 +107,7 @@ CountingAllocator::CountingAllocator(c10::Allocator* inner, MemoryMeter& meter, 
 
 c10::DataPtr CountingAllocator::allocate(size_t n) SHARDLAB_ALLOCATE_CONST {
   c10::DataPtr inner = inner_->allocate(n);
+  if (n == 0) return inner;  // nothing held: no sample either (a free_storage swaps in an empty block)
   void* data = inner.get();
   const c10::Device device = inner.device();
   auto* block = new CountedBlock{std::move(inner), static_cast<int64_t>(n), kind_, state_};
@@ -116,7 +120,7 @@ c10::DataPtr CountingAllocator::allocate(size_t n) SHARDLAB_ALLOCATE_CONST {
 
 at::Tensor CountingAllocator::empty(int64_t numel, c10::ScalarType dtype, c10::Device device) {
   const c10::DeviceGuard guard(device);  // a device's allocator allocates on the current device
-  const c10::DispatchKeySet keys(device.is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
+  const c10::DispatchKeySet keys(c10::computeDispatchKey(dtype, c10::kStrided, device));
   return at::detail::empty_generic({numel}, this, keys, dtype, c10::nullopt);
 }
 

@@ -32,15 +32,16 @@ struct CapChoice {
 /// rebuilt buckets (the second step of a fresh run: the first warm backward, laid out in the real ready order), it
 /// measures the all-reduce on `comm` (measure_all_reduce_cost), lets choose_caps pick both caps from that backward's
 /// profile, broadcasts rank 0's choice (ranks saw different ready times) and calls set_caps with it. Caps that
-/// set_caps already chose (BucketedDDP::caps_set: a run resumed from a checkpoint of a tuned run) are kept. So a
-/// resumed run tunes at the same step as the uninterrupted one. A collective at that one step; every rank of `comm`
+/// set_caps already chose (BucketedDDP::caps_set: a run resumed from a checkpoint of a tuned run) are kept, so a run
+/// resumed from a checkpoint of a run with AutoCaps tunes at the step the uninterrupted one did (after the first
+/// resumed step when it was saved before tuning). A collective at that one step; every rank of `comm`
 /// calls after_optimizer_step alike. `ddp` and `comm` (the group `ddp` reduces over) must outlive it.
 class AutoCaps : public StepSeam {
  public:
   /// Tunes `ddp`, which reduces over `comm`; both must outlive it.
   AutoCaps(BucketedDDP& ddp, Communicator& comm) : ddp_(ddp), comm_(comm) {}
-  /// Counts the step; after the first one whose backward ran on rebuilt buckets, tunes (a collective), unless
-  /// set_caps already chose the caps. Every rank alike, after every optimizer step.
+  /// After the first step whose backward ran on rebuilt buckets (BucketedDDP::rebuilt), tunes once (a collective),
+  /// unless set_caps already chose the caps; otherwise nothing. Every rank alike, after every optimizer step.
   void after_optimizer_step() override;
   /// The choice, once made; empty before, and for caps set_caps had already chosen.
   const std::optional<CapChoice>& choice() const { return choice_; }

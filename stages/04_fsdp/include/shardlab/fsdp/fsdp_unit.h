@@ -230,6 +230,13 @@ class FsdpUnit {
   // one, else the device's allocator.
   at::Tensor new_buffer(int64_t numel, c10::ScalarType dtype) const;
   BufferMaker buffer_maker() const;  // new_buffer, for the gather seam
+  // This rank's block for the all-gather, as the gather seam packs the sharded buffer (gather.h).
+  at::Tensor pack_block() const;
+  // One rank's received block as the gather seam unpacks it: its padded shards in the param dtype, for copy_out.
+  at::Tensor unpack_block(const at::Tensor& block) const;
+  // Throws std::invalid_argument naming the unit when what the gather seam's `what` (pack, unpack) gave is not a
+  // contiguous block of `expected` on the unit's device.
+  void check_block(const char* what, const at::Tensor& block, const GatherWire& expected) const;
   // A reduction's buffer, from the pool when there is one (counted at the reduction's events).
   at::Tensor reduction_buffer(int64_t numel, c10::ScalarType dtype) const;
   // Reports `kind` to the sink.
@@ -262,6 +269,7 @@ class FsdpUnit {
   BufferPool* pool_;                          // null: the device's allocator
   std::shared_ptr<const GatherSeam> gather_;  // never null
   // Count the parameters' buffers in meter_ where they are allocated: the shards, and the rest (pooled on CPU).
+  c10::Allocator* device_allocator_ = nullptr;  // what at::empty uses on the parameters' device
   std::unique_ptr<CountingAllocator> shards_allocator_, buffers_allocator_;
   std::vector<FsdpParam> params_;
   int64_t shard_numel_ = 0;              // Σ padded shard numel: the sharded buffer, one block of the all-gather

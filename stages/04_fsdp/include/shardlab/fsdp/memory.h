@@ -41,6 +41,8 @@ using MemorySample = shardlab::MemorySample;
 class MemoryMeter {
  public:
   MemoryMeter();
+  MemoryMeter(const MemoryMeter&) = delete;  ///< one meter's counters, never shared by a copy
+  MemoryMeter& operator=(const MemoryMeter&) = delete;
   /// Starts (or stops) keeping a MemorySample per allocation and free, for timelines (off by default; at most
   /// kMaxSamples are kept).
   void record_samples(bool on);
