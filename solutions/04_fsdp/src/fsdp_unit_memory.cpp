@@ -24,7 +24,11 @@ int64_t bytes_of(const at::Tensor& t) { return t.defined() ? static_cast<int64_t
 //    a formula: all_gather_bytes() and gathered_capacity_bytes() are the theory's (fsdp_memory.cpp), and a wrong
 //    one shows as a measured peak that differs from it. Not counted: the Communicator's private copies (bf16 on
 //    Gloo, Gloo's own all-gather: all_gather_comm_bytes(), stated by Note [What the Communicator allocates] and
-//    tested against a counting allocator in common/), which the theory reports beside the peak.
+//    tested against a counting allocator in common/), which the theory reports beside the peak. The count is exact
+//    where the last reference to a buffer is the unit's: the ring all-gather (Gloo on CPU, the default) drops its
+//    rows before it completes. Where a backend's worker thread holds the work a little past its completion (Gloo's
+//    own all-gather: AllGatherAlgorithm::kBackend, or CUDA tensors on Gloo), a buffer may be given back, and
+//    uncounted, a moment after the unit drops it.
 //  - the gradients are counted as they are now (count(): by the storage each one really has), where they are made or
 //    freed: when the wrapper notes an unsharded gradient autograd accumulated, when stash_gradients makes an
 //    accumulator (before the gradient it copies is freed: their peak), after a reduction freed them, when it lands
