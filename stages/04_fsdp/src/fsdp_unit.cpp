@@ -202,15 +202,16 @@ at::Tensor FsdpUnit::reduction_buffer(int64_t numel, c10::ScalarType dtype) cons
   return at::empty({numel}, sharded_flat_.options().dtype(dtype));
 }
 
-void FsdpUnit::check_block(const char* what, const at::Tensor& block, const GatherWire& expected) const {
+void FsdpUnit::check_block(const char* what, const at::Tensor& block, const GatherWire& expected,
+                           const char* expected_is) const {
   if (block.defined() && block.numel() == expected.numel && block.scalar_type() == expected.dtype &&
       block.device() == sharded_flat_.device() && block.is_contiguous())
     return;
-  throw std::invalid_argument(
-      "FSDP unit '" + name_ + "': the gather seam's " + what + " gave " +
-      (block.defined() ? describe(block) : std::string("an undefined tensor")) + "; expected a contiguous block of " +
-      std::to_string(expected.numel) + " " + c10::toString(expected.dtype) + " on " + sharded_flat_.device().str() +
-      (std::string(what) == "pack" ? " (its wire())" : " (the padded shards in the param dtype)"));
+  throw std::invalid_argument("FSDP unit '" + name_ + "': the gather seam's " + what + " gave " +
+                              (block.defined() ? describe(block) : std::string("an undefined tensor")) +
+                              "; expected a contiguous block of " + std::to_string(expected.numel) + " " +
+                              c10::toString(expected.dtype) + " on " + sharded_flat_.device().str() + " (" +
+                              expected_is + ")");
 }
 
 BufferMaker FsdpUnit::buffer_maker() const {
@@ -219,13 +220,13 @@ BufferMaker FsdpUnit::buffer_maker() const {
 
 at::Tensor FsdpUnit::pack_block() const {
   at::Tensor block = gather_->pack(sharded_flat_, dtypes_.param, buffer_maker());
-  check_block("pack", block, gather_->wire(shard_numel_, dtypes_.param));
+  check_block("pack", block, gather_->wire(shard_numel_, dtypes_.param), "its wire()");
   return block;
 }
 
 at::Tensor FsdpUnit::unpack_block(const at::Tensor& block) const {
   at::Tensor shards = gather_->unpack(block, shard_numel_, dtypes_.param, buffer_maker());
-  check_block("unpack", shards, {shard_numel_, dtypes_.param});
+  check_block("unpack", shards, {shard_numel_, dtypes_.param}, "the padded shards in the param dtype");
   return shards;
 }
 

@@ -235,8 +235,9 @@ class FsdpUnit {
   // One rank's received block as the gather seam unpacks it: its padded shards in the param dtype, for copy_out.
   at::Tensor unpack_block(const at::Tensor& block) const;
   // Throws std::invalid_argument naming the unit when what the gather seam's `what` (pack, unpack) gave is not a
-  // contiguous block of `expected` on the unit's device.
-  void check_block(const char* what, const at::Tensor& block, const GatherWire& expected) const;
+  // contiguous block of `expected` on the unit's device; `expected_is` says what that block is.
+  void check_block(const char* what, const at::Tensor& block, const GatherWire& expected,
+                   const char* expected_is) const;
   // A reduction's buffer, from the pool when there is one (counted at the reduction's events).
   at::Tensor reduction_buffer(int64_t numel, c10::ScalarType dtype) const;
   // Reports `kind` to the sink.
