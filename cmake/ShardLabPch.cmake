@@ -1,6 +1,7 @@
 # One precompiled header of libtorch's headers, shared by every shardlab target (see Note [One precompiled header]).
 #
-#   shardlab_use_pch(<target>)   the target reuses it (a no-op when SHARDLAB_PCH is OFF)
+#   shardlab_use_pch(<target> [TEST])   the target reuses it (a no-op when SHARDLAB_PCH is OFF, unless TEST names a
+#                                       test program and SHARDLAB_TEST_PCH is ON)
 #
 # Note [One precompiled header]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -10,16 +11,25 @@
 # (REUSE_FROM): one for libraries (-fPIC) and one for executables (-fPIE), because GCC refuses a PCH made with the
 # other (and says so under -Winvalid-pch, which CMake adds).
 #
-# What it costs: a forced include hides a missing #include. The sanitizer preset (asan) builds without it, and
-# tools/check-tidy strips it from the compile commands, so both still compile every file on its own includes. A
-# library user's build never sees it: it is PRIVATE to shardlab's own targets and not exported.
+# What it costs: a forced include hides a missing #include. The sanitizer preset (asan) builds the libraries and
+# tools without it, and tools/check-tidy strips it from the compile commands, so both still compile every file a
+# user's build compiles on its own includes. A library user's build never sees it: it is PRIVATE to shardlab's own
+# targets and not exported.
+#
+# The asan preset's test programs do use it (SHARDLAB_TEST_PCH): their 50 files are a third of that build, 15 s each
+# without it under ASan, and no user compiles them. Only the executables' holder is made then.
 option(SHARDLAB_PCH "Precompile libtorch's headers once for every shardlab target (Note [One precompiled header])"
        ${SHARDLAB_MAIN_PROJECT})
+option(SHARDLAB_TEST_PCH "Precompile libtorch's headers for the test programs even where SHARDLAB_PCH is OFF" OFF)
 
-if(SHARDLAB_PCH)
+if(SHARDLAB_PCH OR SHARDLAB_TEST_PCH)
   set(_pch_source ${CMAKE_BINARY_DIR}/shardlab_pch.cpp)
   file(CONFIGURE OUTPUT ${_pch_source} CONTENT "// The holder of shardlab's precompiled header (cmake/ShardLabPch.cmake).\n")
-  foreach(_kind pic pie)
+  set(_kinds pie)
+  if(SHARDLAB_PCH)
+    list(PREPEND _kinds pic)
+  endif()
+  foreach(_kind ${_kinds})
     add_library(shardlab_pch_${_kind} OBJECT ${_pch_source})
     # What shardlab's own targets compile with: libtorch's usage requirements (defines, include directories) and
     # the NCCL switch, the only define of shardlab_core that reaches its users.
@@ -41,7 +51,8 @@ if(SHARDLAB_PCH)
 endif()
 
 function(shardlab_use_pch target)
-  if(NOT SHARDLAB_PCH)
+  cmake_parse_arguments(P "TEST" "" "" ${ARGN})
+  if(NOT SHARDLAB_PCH AND NOT (P_TEST AND SHARDLAB_TEST_PCH))
     return()
   endif()
   get_target_property(type ${target} TYPE)

@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """Command-line tests of `shardlab` and `shardlab-run`: bad flags get a clear message and exit code 2.
 
+Usage: test_cli.py SHARDLAB SHARDLAB_RUN SHARDLAB_CLI_BATCH
+
 No check reads a clock: a command that hangs is caught by the test's ctest TIMEOUT, and every command is printed
 when it starts, so the log names the one that hung.
 
-Each command is a process that loads libtorch before it parses a flag (about 0.5 s of CPU here), and there are
-about 180 of them. One after the other that was 90 s on 2 idle cores and 160-225 s under a load of 2 to 4, which
-comes near the ctest TIMEOUT of 300 s: the likely cause of the failure once in 8 runs under a Debug build (its
-output was lost). They now run as many at a time as this process may use cores (at most 4), their verdicts printed
-in the order written: about 45 s idle, 120 s under the same loads."""
+A process of `shardlab` loads libtorch before it parses a flag (about 0.5 s of CPU here; 1 s with CUDA's libtorch),
+and about 160 of the 180 commands are shardlab's: as processes they were 45 s of the default line's tests and 85 s
+of the CUDA line's. They now run in one process, shardlab_cli_batch (tests/tools/cli_batch.cpp), which calls the
+same function main() calls (tools/shardlab/cli.h) once per command line and answers with its exit code and output.
+A few stay real processes (process=True), so main()'s exit codes are checked too. The launcher's commands are
+processes, as many at a time as this process may use cores (at most 4), beside the batch; verdicts are printed in
+the order written."""
 import concurrent.futures
 import os
 import shutil
@@ -17,10 +21,12 @@ import tempfile
 import sys
 import threading
 
-shardlab, launcher = sys.argv[1], sys.argv[2]
+import shardlab_batch
+
+shardlab, launcher, batch = sys.argv[1], sys.argv[2], sys.argv[3]
 failures = 0
 pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, max(2, len(os.sched_getaffinity(0)))))
-pending = []  # (command, expected code, needle, future), in the order written
+pending = []  # (command, expected code, needle, future or None: in the batch), in the order written
 settled = [0]  # commands checked so far
 
 
@@ -33,23 +39,36 @@ def say(*words):
 
 
 def run_one(cmd):
+    """One command as a process: (exit code, stdout then stderr)."""
     say("run ", " ".join(cmd[1:]))
-    return subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return p.returncode, p.stdout + p.stderr
 
 
-def expect(cmd, code, needle):
-    """Starts `cmd` in the pool; settle() checks that it exits with `code` and prints `needle`."""
-    pending.append((cmd, code, needle, pool.submit(run_one, cmd)))
+def run_batch(commands):
+    """shardlab's command lines `commands` in one shardlab_cli_batch process (shardlab_batch.run_batch)."""
+    for args in commands:
+        say("run ", " ".join(args), "(batch)")
+    return shardlab_batch.run_batch(batch, commands)
+
+
+def expect(cmd, code, needle, process=False):
+    """Checks, at settle(), that `cmd` exits with `code` and prints `needle`. shardlab's commands go to the batch
+    unless `process`; the others start in the pool now."""
+    batched = cmd[0] == shardlab and not process
+    pending.append((cmd, code, needle, None if batched else pool.submit(run_one, cmd)))
 
 
 def settle():
-    """Waits for every command started so far and prints each verdict in the order written."""
+    """Runs the batch beside the pool's processes, waits for every command so far and prints each verdict in the
+    order written."""
     global failures
+    batched = [cmd[1:] for cmd, _, _, future in pending if future is None]
+    answers = iter(pool.submit(run_batch, batched).result() if batched else [])
     for cmd, code, needle, future in pending:
-        p = future.result()
-        out = p.stdout + p.stderr
-        ok = p.returncode == code and needle in out
-        say(("ok  " if ok else "FAIL"), " ".join(cmd[1:]), "->", p.returncode, "|",
+        got, out = future.result() if future else next(answers)
+        ok = got == code and needle in out
+        say(("ok  " if ok else "FAIL"), " ".join(cmd[1:]), "->", got, "|",
             out.strip().splitlines()[0] if out.strip() else "")
         if not ok:
             say("     expected exit", code, "and", repr(needle), "in:\n", out)
@@ -59,6 +78,8 @@ def settle():
 
 
 expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy: expects one of single|naive_ddp|bucketed_ddp|")
+expect([shardlab, "train", "--strategy", "nope"], 2, "--strategy: expects one of", process=True)  # main()'s codes
+expect([shardlab, "--help"], 0, "compare", process=True)
 expect([shardlab, "train", "--bucket-cap-kb", "0"], 2, "--bucket-cap-kb: expects an integer in [1, ")
 expect([shardlab, "train", "--strategy", "fsdp", "--bucket-cap-kb", "auto"], 2,
        "--bucket-cap-kb auto tunes the buckets of bucketed_ddp, hook_allreduce, hook_fp16, hook_bf16 and "
@@ -134,6 +155,8 @@ expect([shardlab, "export", "/tmp", "out.safetensors"], 2, "DIR: expects a check
 # Past the flag checks, a bad checkpoint is a runtime error (exit 1) naming the file.
 expect([shardlab, "export", fake_checkpoint, os.path.join(fake_checkpoint, "out.safetensors")], 1,
        "index.json' is not JSON")
+expect([shardlab, "export", fake_checkpoint, os.path.join(fake_checkpoint, "out.safetensors")], 1,
+       "index.json' is not JSON", process=True)
 expect([shardlab, "bench", "--python", "/nonexistent/python3"], 2,
        "--python: expects the python3 with torch; got '/nonexistent/python3', which does not exist")
 expect([shardlab, "train", "--backend", "nccl"], 2, "--backend nccl moves CUDA tensors only; it needs --device cuda")
@@ -171,8 +194,11 @@ def every_option_refuses_a_bad_value():
              "--torch-script": "/nonexistent/x.py", "--out": "/nonexistent/x", "--result-dir": None,
              "--torch-root": None,  # not checked: without the root, the FSDP section says so and runs the rest
              "--master-addr": ""}
-    for cmd in [[shardlab, "train"], [shardlab, "compare"], [shardlab, "bench"], [shardlab, "worker"], [launcher]]:
-        text = subprocess.run(cmd + ["--help"], capture_output=True, text=True).stdout
+    commands = [[shardlab, "train"], [shardlab, "compare"], [shardlab, "bench"], [shardlab, "worker"]]
+    helps = [out for _, out in run_batch([cmd[1:] + ["--help"] for cmd in commands])]
+    commands.append([launcher])
+    helps.append(subprocess.run([launcher, "--help"], capture_output=True, text=True).stdout)
+    for cmd, text in zip(commands, helps):
         flags = set()
         for line in text.splitlines():
             words = line.split()

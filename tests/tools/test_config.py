@@ -12,6 +12,9 @@ with a repeated --bucket-cap-kb, an array in TOML):
     value a config file cannot hold are usage errors (exit 2) that name what is wrong;
   - `shardlab worker --config FILE` (one rank; on several machines every rank reads the same file) trains the file's
     run: one device's losses bit for bit as `train` had them; a run option typed beside it is refused.
+
+Usage: test_config.py SHARDLAB SHARDLAB_CLI_BATCH. The runs are processes; the usage errors and --help go to one
+shardlab_cli_batch process at the end (shardlab_batch.py: libtorch loads once for them all).
 """
 import json
 import os
@@ -20,8 +23,11 @@ import sys
 import tempfile
 import tomllib
 
-shardlab = sys.argv[1]
+import shardlab_batch
+
+shardlab, batch = sys.argv[1], sys.argv[2]
 failures = 0
+refusals = []  # (arguments, needle): usage_error's, checked at the end in one batch
 
 
 def check(ok, what, detail=""):
@@ -40,7 +46,8 @@ def run(args, code=0):
 
 
 def help_options():
-    out = subprocess.run([shardlab, "train", "--help"], capture_output=True, text=True, check=True).stdout
+    [(code, out)] = shardlab_batch.run_batch(batch, [["train", "--help"]])
+    check(code == 0, f"train --help: exit {code}", out)
     return {w.split(":")[0].split("=")[0][2:] for line in out.splitlines() for w in line.split()[:1]
             if w.startswith("--")}
 
@@ -91,13 +98,20 @@ def runs_with(tmp, args, expect):
 
 
 def usage_error(args, needle, tmp, toml_text=None):
+    """`args` is a usage error (exit 2) whose message holds `needle`; checked by check_usage_errors()."""
     if toml_text is not None:
-        path = os.path.join(tmp, "bad.toml")
+        path = os.path.join(tmp, f"bad{len(refusals)}.toml")
         with open(path, "w") as f:
             f.write(toml_text)
         args = [a.replace("BAD", path) for a in args]
-    out = run(args, 2)
-    check(needle in out, f"the message names it: {needle!r}", out)
+    refusals.append((args, needle))
+
+
+def check_usage_errors():
+    for (args, needle), (code, out) in zip(refusals, shardlab_batch.run_batch(batch, [a for a, _ in refusals])):
+        print("run ", " ".join(args), "(batch)", flush=True)
+        check(code == 2, f"exit {code}, expected 2", out)
+        check(needle in out, f"the message names it: {needle!r}", out)
 
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -159,5 +173,6 @@ with tempfile.TemporaryDirectory() as tmp:
                 "worker --config takes every run option from the file; got --steps too", tmp)
     usage_error(["worker", "--config", "BAD", "--result-dir", ranks], "the file sets 'train.bogus', which no option takes",
                 tmp, "[train]\nsteps = 2\nbogus = 1\n")
+    check_usage_errors()
 
 sys.exit(1 if failures else 0)

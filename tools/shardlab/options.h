@@ -67,7 +67,7 @@ void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker = 
 std::string checkpoint_problem(const std::string& path, bool weights_file);
 
 /// The flags of `cmd` given so far (long names, "--steps"). Taken when the command line is parsed and before a
-/// --config file is read, they are the flags the user typed (train_typed in main.cpp, taken by train's
+/// --config file is read, they are the flags the user typed (train_typed in cli.cpp, taken by train's
 /// parse_complete_callback).
 std::set<std::string> given_flags(const CLI::App& cmd);
 
