@@ -140,6 +140,8 @@ expect([shardlab, "train", "--strategy", "overlap_optimizer", "--save", "x"], 2,
        "strategy overlap_optimizer keeps one optimizer per parameter inside its reducer")
 expect([shardlab, "train", "--save", "/etc"], 2,
        "--save expects a new or empty directory, or a checkpoint to replace; got '/etc'")
+expect([shardlab, "compare", "--reference", "none"], 2,
+       "--reference none trains without one device; compare sets every strategy beside one device")
 expect([shardlab, "compare", "--save", "x"], 2, "--save, --save-every and --resume are options of shardlab train")
 expect([shardlab, "train", "--resume", "/nonexistent/ckpt"], 2, "--resume expects a checkpoint")
 # A directory that looks like a checkpoint to the flag checks (it has index.json), so the next check is reached.

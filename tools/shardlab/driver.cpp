@@ -18,6 +18,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -97,8 +98,11 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     weights_only = !index.metadata.count("optim.kind");
     if (weights_only)
       std::cout << "shardlab: note: --resume '" << o.resume_dir << "' holds weights only: the optimizer starts fresh "
-                << "at step " << first_step << ", and the single-device reference below starts from the model's own "
-                << "initialization, not from these weights\n";
+                << "at step " << first_step
+                << (o.reference == "none" ? ""
+                                          : ", and the single-device reference below starts from the model's own "
+                                            "initialization, not from these weights")
+                << "\n";
     const auto kind = index.metadata.find("optim.kind");
     if (kind != index.metadata.end() && kind->second != o.train.optimizer)
       throw std::invalid_argument("--resume '" + o.resume_dir + "' holds the state of optimizer '" + kind->second +
@@ -120,7 +124,10 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
       if (saved != index.metadata.end() && saved->second != value)
         std::cout << "shardlab: note: --resume '" << o.resume_dir << "' was saved with " << key << " " << saved->second
                   << ", this run has " << value
-                  << ": the single-device reference below runs this run's settings from step 0\n";
+                  << (o.reference == "none"
+                          ? ""
+                          : ": the single-device reference below runs this run's settings from step 0")
+                  << "\n";
     }
   }
 
@@ -185,19 +192,26 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
   }
   r.comm_yield = o.comm_yield;
   r.backend = strategy.can.communicates ? o.backend : "none";
-  const ReferenceResult ref = train_reference(o.train);
   r.first_step = first_step;
   r.resumed_from = o.resume_dir;
   r.save_dir = o.save_dir;
   r.save_every = o.save_every;
   r.config = o.config;
-  r.reference_losses.assign(ref.losses.begin() + first_step, ref.losses.end());
+  r.reference = o.reference;
   const int run = o.train.steps - first_step;  // steps this run trained
-  at::Tensor ref_flat = at::cat([&] {
-    std::vector<at::Tensor> flat;
-    for (const auto& p : ref.params) flat.push_back(p.to(at::kDouble).reshape({-1}));
-    return flat;
-  }());
+  // --reference none: the ranks alone (nothing compared, no parameters written); else one device's whole run here.
+  const bool compared = o.reference != "none";
+  ReferenceResult ref;
+  at::Tensor ref_flat;
+  if (compared) {
+    ref = train_reference(o.train);
+    r.reference_losses.assign(ref.losses.begin() + first_step, ref.losses.end());
+    ref_flat = at::cat([&] {
+      std::vector<at::Tensor> flat;
+      for (const auto& p : ref.params) flat.push_back(p.to(at::kDouble).reshape({-1}));
+      return flat;
+    }());
+  }
 
   r.losses.assign(run, 0.0);
   at::Tensor previous;  // the last parameters whose final loss was computed
@@ -237,6 +251,7 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     r.base_rss_bytes.push_back(result.base_rss_bytes);
     r.construction_rss_bytes.push_back(result.construction_rss_bytes);
     r.base_data_bytes.push_back(result.base_data_bytes);
+    if (!compared) continue;
     const at::Tensor mine = read_rank_parameters(prefix);
     if (mine.numel() != ref_flat.numel())
       throw std::runtime_error("rank " + std::to_string(rank) + " wrote " + std::to_string(mine.numel()) +
@@ -255,9 +270,13 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     const double loss = loss_at(o.train, params, o.train.steps);
     if (rank == 0 || std::abs(loss - ref.final_loss) > std::abs(r.final_loss - ref.final_loss)) r.final_loss = loss;
   }
-  r.reference_final_loss = ref.final_loss;
-  // The bound holds for two runs from the same start; weights alone start elsewhere than the reference.
-  r.adamw_param_bound = weights_only ? 0.0 : adamw_divergence_bound(o.train, o.train.steps);
+  if (compared) {
+    r.reference_final_loss = ref.final_loss;
+    // The bound holds for two runs from the same start; weights alone start elsewhere than the reference.
+    r.adamw_param_bound = weights_only ? 0.0 : adamw_divergence_bound(o.train, o.train.steps);
+  } else {  // nothing was compared: no figure may read as a perfect match
+    r.max_param_diff = r.final_loss = r.reference_final_loss = std::numeric_limits<double>::quiet_NaN();
+  }
   const Theory theory = strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;
   r.bytes_per_step_theory = theory.bytes;

@@ -50,6 +50,8 @@ struct RunOptions {
   std::string save_dir;                  ///< --save DIR: a checkpoint there after the last step ("" = none)
   int save_every = 0;                    ///< --save-every K: also after every K-th step (0 = only the last)
   std::string resume_dir;                ///< --resume DIR: start from the checkpoint there, at its step
+  std::string reference = "single";      ///< --reference single|none: one device beside the ranks, or none (a
+                                         ///< model one machine cannot hold: nothing compared, no parameters written)
 };
 
 /// The options of `shardlab train` before any flag: the mlp, 10 steps, a global batch of 16.

@@ -109,7 +109,9 @@ std::vector<std::string> to_args(const RunOptions& o) {
                                 "--reshard-after-forward",
                                 o.strategy_options.reshard_after_forward ? "true" : "false",
                                 "--pool-buffers",
-                                o.strategy_options.pool_buffers ? "true" : "false"};
+                                o.strategy_options.pool_buffers ? "true" : "false",
+                                "--reference",
+                                o.reference};
   const Capabilities can = capabilities_of(o.strategy);
   if (can.prefetches) {  // only there: the worker refuses them for other strategies, as train does
     args.insert(args.end(), {"--prefetch-depth", std::to_string(o.strategy_options.prefetch_depth), "--prefetch-limit",

@@ -34,19 +34,28 @@ void print_report(const RunReport& r) {
                                : ", mesh " + r.mesh + " (replicas x shards)" +
                                      (r.defer_all_reduce ? ", all-reduce deferred to the last micro-batch" : ""))
             << "\n\n"
-            << "  loss: over the global batch (the mean of the ranks' equal slices), as the progress bar shows it\n"
-            << "  step        loss   reference   |difference|\n";
-  for (size_t s = 0; s < r.losses.size(); ++s)
+            << "  loss: over the global batch (the mean of the ranks' equal slices), as the progress bar shows it\n";
+  const bool compared = r.reference != "none";
+  std::cout << (compared ? "  step        loss   reference   |difference|\n" : "  step        loss\n");
+  for (size_t s = 0; s < r.losses.size(); ++s) {
     std::cout << "  " << std::setw(4) << s + r.first_step << std::fixed << std::setprecision(6) << std::setw(12)
-              << r.losses[s] << std::setw(12) << r.reference_losses[s] << std::scientific << std::setprecision(2)
-              << std::setw(15) << std::abs(r.losses[s] - r.reference_losses[s]) << "\n";
-  std::ostringstream bound;  // AdamW's own bound beside the difference (Note [Comparing with one device])
-  if (r.adamw_param_bound > 0) bound << " (AdamW's bound " << r.adamw_param_bound << ")";
-  std::cout << std::defaultfloat << std::setprecision(6)
-            << "\n  max parameter difference vs single device: " << r.max_param_diff << bound.str()
-            << "\n  final parameters' loss on step " << r.train.steps << "'s batch: " << r.final_loss << " (reference "
-            << r.reference_final_loss << ")"
-            << "\n  collectives per step: " << r.collectives_per_step << " (theory " << r.collectives_per_step_theory
+              << r.losses[s];
+    if (compared)
+      std::cout << std::setw(12) << r.reference_losses[s] << std::scientific << std::setprecision(2) << std::setw(15)
+                << std::abs(r.losses[s] - r.reference_losses[s]);
+    std::cout << "\n";
+  }
+  std::cout << std::defaultfloat << std::setprecision(6);
+  if (compared) {
+    std::ostringstream bound;  // AdamW's own bound beside the difference (Note [Comparing with one device])
+    if (r.adamw_param_bound > 0) bound << " (AdamW's bound " << r.adamw_param_bound << ")";
+    std::cout << "\n  max parameter difference vs single device: " << r.max_param_diff << bound.str()
+              << "\n  final parameters' loss on step " << r.train.steps << "'s batch: " << r.final_loss
+              << " (reference " << r.reference_final_loss << ")";
+  } else {
+    std::cout << "\n  no single-device reference (--reference none): nothing compared";
+  }
+  std::cout << "\n  collectives per step: " << r.collectives_per_step << " (theory " << r.collectives_per_step_theory
             << (r.auto_caps.empty() ? "" : " with the caps before auto chose others") << "), plus "
             << r.setup_collectives
             << " at setup\n  bytes per step (rank 0 payload): " << static_cast<int64_t>(r.bytes_per_step) << " (theory "
@@ -190,6 +199,7 @@ nlohmann::ordered_json report_to_json(const RunReport& r) {
   j["save_dir"] = r.save_dir;
   j["save_every"] = r.save_every;
   j["losses"] = r.losses;
+  j["reference"] = r.reference;
   j["reference_losses"] = r.reference_losses;
   j["max_param_diff"] = r.max_param_diff;
   j["final_loss"] = r.final_loss;

@@ -26,6 +26,8 @@ struct RunReport {
   int world_size = 1;
   TrainConfig train;
   std::vector<double> losses;            ///< global loss per step run (mean of the ranks' slice losses)
+  std::string reference = "single";      ///< --reference: "single", or "none" (then the reference's figures, the
+                                         ///< parameter difference and the final loss are NaN, their lists empty)
   std::vector<double> reference_losses;  ///< the single-device reference, same steps
   int first_step = 0;                    ///< --resume: the checkpoint's step, the first this run ran (0 otherwise)
   std::string resumed_from;              ///< --resume: the checkpoint ("" = none)
