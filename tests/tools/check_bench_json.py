@@ -17,7 +17,7 @@ errors = []
 # The keys of one run's report, in the order they are written (README, notebooks/ and tests/tools read them).
 REPORT_KEYS = [
     "strategy", "world_size", "model", "optimizer", "lr", "steps", "global_batch", "micro_batches", "clip_norm",
-    "clip_norm_type", "seed", "device", "backend", "first_step", "resumed_from", "save_dir", "save_every", "losses",
+    "clip_norm_type", "seed", "device", "backend", "first_step", "resumed_from", "save_dir", "save_every", "losses", "reference",
     "reference_losses", "max_param_diff", "final_loss", "reference_final_loss", "adamw_param_bound",
     "collectives_per_step", "collectives_per_step_theory",
     "setup_collectives", "bytes_per_step", "bytes_per_step_theory", "sent_bytes_per_step", "step_time_ms",

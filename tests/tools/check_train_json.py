@@ -12,6 +12,8 @@ args = sys.argv[2:]
 max_diff = 1e-5
 if args[:1] == ["--max-diff"]:
     max_diff, args = float(args[1]), args[2:]
+if any(a == "--reference" and v == "none" for a, v in zip(args, args[1:])):
+    sys.exit("check_train_json.py compares the ranks with one device; --reference none is check_no_reference.py's")
 with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "report.json")
     cmd = [sys.argv[1], "train", *args, "--json", path]

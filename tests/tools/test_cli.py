@@ -4,7 +4,7 @@
 Usage: test_cli.py SHARDLAB SHARDLAB_RUN SHARDLAB_CLI_BATCH
 
 No check reads a clock: a command that hangs is caught by the test's ctest TIMEOUT, and every command is printed
-when it starts, so the log names the one that hung.
+when it starts (the batch's by the batch itself, on stderr), so the log names the one that hung.
 
 A process of `shardlab` loads libtorch before it parses a flag (about 0.5 s of CPU here; 1 s with CUDA's libtorch),
 and about 160 of the 180 commands are shardlab's: as processes they were 45 s of the default line's tests and 85 s
@@ -141,7 +141,7 @@ expect([shardlab, "train", "--strategy", "overlap_optimizer", "--save", "x"], 2,
 expect([shardlab, "train", "--save", "/etc"], 2,
        "--save expects a new or empty directory, or a checkpoint to replace; got '/etc'")
 expect([shardlab, "compare", "--reference", "none"], 2,
-       "--reference none trains without one device; compare sets every strategy beside one device")
+       "--reference none trains without one device; compare and bench set every strategy beside one device")
 expect([shardlab, "compare", "--save", "x"], 2, "--save, --save-every and --resume are options of shardlab train")
 expect([shardlab, "train", "--resume", "/nonexistent/ckpt"], 2, "--resume expects a checkpoint")
 # A directory that looks like a checkpoint to the flag checks (it has index.json), so the next check is reached.

@@ -163,13 +163,17 @@ FsdpBenchResult run_real_bench(const FsdpBenchOptions& b, const std::string& sel
     out.push_back(section);
   }
   proc.reset();
+  std::string rates;
+  for (const Size& size : sizes) rates += (rates.empty() ? "" : ", ") + size.label + " " + fmt(size.lr, 3);
   FsdpBenchResult result;
   result.heading = "the tiny GPT at 25M parameters on 2 ranks and 151M on 4, " +
                    std::to_string(b.run.threads > 0 ? b.run.threads : 1) + " thread(s) per rank, " +
                    std::to_string(b.repeat) +
                    " interleaved round(s): each row's run with the best median step, its memory that run's (each "
-                   "rank's VmHWM, the most over the ranks); the sizes, world sizes, batches and learning rates (25M: "
-                   "0.01, 151M: 0.002, rates at which each learns) are the section's own, and at most 4 steps are run";
+                   "rank's VmHWM, the most over the ranks); the sizes, world sizes, batches and learning rates (" +
+                   rates +
+                   ": rates at which each learns, for shardlab and FSDP2 alike; --lr does not apply here) are "
+                   "the section's own, and at most 4 steps are run";
   result.markdown = md.str();
   result.targets = targets.str();
   result.json = out.dump();

@@ -275,7 +275,8 @@ RunReport run_strategy(const RunOptions& options, const std::string& self_exe) {
     // The bound holds for two runs from the same start; weights alone start elsewhere than the reference.
     r.adamw_param_bound = weights_only ? 0.0 : adamw_divergence_bound(o.train, o.train.steps);
   } else {  // nothing was compared: no figure may read as a perfect match
-    r.max_param_diff = r.final_loss = r.reference_final_loss = std::numeric_limits<double>::quiet_NaN();
+    r.max_param_diff = r.final_loss = r.reference_final_loss = r.adamw_param_bound =
+        std::numeric_limits<double>::quiet_NaN();
   }
   const Theory theory = strategy.theory(*make_model(o.train, at::kCPU), o.world_size, o.strategy_options, o.train);
   r.collectives_per_step_theory = theory.collectives;

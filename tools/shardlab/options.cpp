@@ -201,8 +201,10 @@ void add_run_options(CLI::App& cmd, RunOptions& o, bool strategy, bool worker) {
       ->type_name("DIR");
   cmd.add_option("--reference", o.reference,
                  "single: train the whole model on one device in this process too and compare every rank with it; "
-                 "none: the ranks alone, for a model one machine cannot hold (no comparison, no final loss)")
-      ->check(one_of({"single", "none"}));
+                 "none: the ranks alone, for a model whose training one machine cannot hold (no comparison, no final "
+                 "loss)")
+      ->check(one_of({"single", "none"}))
+      ->group(checkpoints_group);  // train's (and its worker's) only, as the checkpoints
   cmd.add_option("--json", o.json, "also write the report as JSON")->check(file_to_write("a file to write"));
   cmd.add_option("--timeout", o.timeout_s, "kill the run if it takes longer, in seconds")
       ->transform(integer_in(1, 86400));
@@ -285,8 +287,8 @@ RunOptions check_run_options(const std::set<std::string>& typed, RunOptions o, b
         "strategy, which would all write one checkpoint)");
   if (!allow_strategy && o.reference == "none")
     throw std::invalid_argument(
-        "--reference none trains without one device; compare sets every strategy beside one "
-        "device (use shardlab train --reference none)");
+        "--reference none trains without one device; compare and bench set every strategy beside one device (use "
+        "shardlab train --reference none)");
   if (o.save_every > 0 && o.save_dir.empty())
     throw std::invalid_argument("--save-every K saves every K steps into --save DIR; got it without --save");
   if (allow_strategy && !can.checkpoints() && (!o.save_dir.empty() || !o.resume_dir.empty()))
