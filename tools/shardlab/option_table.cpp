@@ -9,6 +9,7 @@
 
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/device/device.h"
+#include "shardlab/core/errors.h"
 #include "shardlab/course/model_factory.h"
 
 #include <CLI/CLI.hpp>
@@ -393,7 +394,7 @@ const std::vector<RunOption>& run_option_table() {
          return cmd.add_option("--json", o.json, "also write the report as JSON")
              ->check(file_to_write("a file to write"));
        },
-       [](const RunOptions& o) { return unless_empty(o.json); }},
+       [](const RunOptions&) { return Values{}; }},
       // The launcher's, which kills the run: the ranks never see it.
       {"--timeout", W::kEveryCommand, Out::kConfig, nullptr, "",
        [](CLI::App& cmd, RunOptions& o) {
@@ -411,6 +412,8 @@ const std::vector<RunOption>& run_option_table() {
 }
 
 std::string refusal_of(const RunOption& option, const std::string& strategy) {
+  SHARDLAB_INTERNAL_ASSERT(option.needs != nullptr && !option.refusal.empty(),
+                           "refusal_of(" + option.flag + "): an option without a capability or refusal words");
   std::string words = option.refusal;
   const size_t at = words.find("{}");
   if (at != std::string::npos) words.replace(at, 2, strategies_that(option.needs));

@@ -1,7 +1,9 @@
 #pragma once
 // The run options of `shardlab train`, its worker, compare and bench, declared once: one entry per flag, from which
 // come CLI11's registration (add_run_options), the worker's command line and the config file (to_args,
-// config_toml), and the refusal of a flag the strategy cannot take (check_run_options). A new option is one entry.
+// config_toml), and the refusal of a flag that needs a capability the strategy lacks (check_run_options: --mesh,
+// --defer-all-reduce, the prefetch flags). A new option is its field in RunOptions and one entry here; a check
+// between flags or of a value's use (--bucket-cap-kb auto, --clip-norm, the checkpoints) stays in check_run_options.
 
 #include "options.h"
 #include "strategies.h"

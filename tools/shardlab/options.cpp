@@ -10,14 +10,12 @@
 #include "shardlab/core/device/device.h"
 #include "shardlab/core/model/model.h"
 #include "shardlab/core/numbers.h"
-#include "shardlab/course/model_factory.h"
 
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
 
 #include <filesystem>
-#include <limits>
 #include <set>
 #include <stdexcept>
 

@@ -8,8 +8,6 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <cmath>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -41,10 +39,10 @@ CLI::App* add_run_options_command(CLI::App& app, RunOptions& o) {
 }  // namespace
 
 std::string config_toml(const RunOptions& o) {
-  // The table's options as written to a config file are complete by construction (a worker runs on the same less
-  // --timeout): every option in force, derived ones included (the world size a mesh sets). Parsed as train's command
-  // line, CLI11 writes exactly those options in its own TOML (a flag given twice, --bucket-cap-kb 32 --bucket-cap-kb
-  // auto, is an array), and reads it back.
+  // The table's options as written to a config file are complete by construction (the worker's command line is the
+  // same, with --result-dir and without --timeout, and a worker runs on it alone): every option in force, derived
+  // ones included (the world size a mesh sets). Parsed as train's command line, CLI11 writes exactly those options
+  // in its own TOML (a flag given twice, --bucket-cap-kb 32 --bucket-cap-kb auto, is an array), and reads it back.
   std::vector<std::string> args = written_args(o, RunOption::Written::kConfig);
   args.insert(args.begin(), "train");
   CLI::App app{"", "shardlab"};
