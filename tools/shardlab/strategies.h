@@ -10,7 +10,6 @@
 #include "shardlab/core/comm/world.h"
 #include "shardlab/core/trace.h"
 #include "shardlab/course/reference.h"
-#include "shardlab/hsdp/parallelize.h"
 
 #include <functional>
 #include <map>
@@ -18,6 +17,12 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+namespace shardlab {
+// parallelize.h's, forward-declared: it pulls in every stage's headers, and a stage's starter (tools/check-starter)
+// recompiles every tool source that includes them; only strategies.cpp needs its definition.
+struct ParallelPolicy;
+}  // namespace shardlab
 
 namespace shardlab::cli {
 
