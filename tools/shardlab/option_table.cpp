@@ -75,6 +75,16 @@ Values one(int64_t v) { return {std::to_string(v)}; }
 Values unless_empty(const std::string& v) { return v.empty() ? Values{} : Values{v}; }
 const char* truth(bool b) { return b ? "true" : "false"; }
 
+// A flag that takes true or false into `field` (its default shown as `shown`).
+CLI::Option* true_false(CLI::App& cmd, const std::string& flag, bool& field, const std::string& help,
+                        const char* shown) {
+  return cmd
+      .add_option_function<std::string>(
+          flag, [&field](const std::string& v) { field = v == "true"; }, help)
+      ->check(one_of({"true", "false"}))
+      ->default_str(shown);
+}
+
 }  // namespace
 
 const std::vector<RunOption>& run_option_table() {
@@ -244,13 +254,8 @@ const std::vector<RunOption>& run_option_table() {
        [](const RunOptions& o) { return one(o.strategy_options.first_bucket_cap_bytes / 1024); }},
       {"--reshard-after-forward", W::kEveryCommand, Out::kEverywhere, nullptr, "",
        [](CLI::App& cmd, RunOptions& o) {
-         StrategyOptions& s = o.strategy_options;
-         return cmd
-             .add_option_function<std::string>(
-                 "--reshard-after-forward", [&s](const std::string& v) { s.reshard_after_forward = v == "true"; },
-                 "FSDP: free units after forward")
-             ->check(one_of({"true", "false"}))
-             ->default_str("true");
+         return true_false(cmd, "--reshard-after-forward", o.strategy_options.reshard_after_forward,
+                           "FSDP: free units after forward", "true");
        },
        [](const RunOptions& o) { return one(truth(o.strategy_options.reshard_after_forward)); }},
       {"--param-dtype", W::kEveryCommand, Out::kEverywhere, nullptr, "",
@@ -303,14 +308,11 @@ const std::vector<RunOption>& run_option_table() {
        }},
       {"--defer-all-reduce", W::kEveryCommand, Out::kEverywhere, &Capabilities::mesh, "applies to strategy {} only",
        [](CLI::App& cmd, RunOptions& o) {
-         StrategyOptions& s = o.strategy_options;
-         return cmd
-             .add_option_function<std::string>(
-                 "--defer-all-reduce", [&s](const std::string& v) { s.defer_all_reduce = v == "true"; },
-                 "hsdp with --micro-batches > 1: reduce-scatter every micro-batch and all-reduce across replicas "
-                 "once (false: no_sync)")
-             ->check(one_of({"true", "false"}))
-             ->default_str("false");
+         return true_false(
+             cmd, "--defer-all-reduce", o.strategy_options.defer_all_reduce,
+             "hsdp with --micro-batches > 1: reduce-scatter every micro-batch and all-reduce across replicas "
+             "once (false: no_sync)",
+             "false");
        },
        [](const RunOptions& o) { return one(truth(o.strategy_options.defer_all_reduce)); }},
       {"--cpu-allocator", W::kEveryCommand, Out::kEverywhere, nullptr, "",
@@ -331,13 +333,8 @@ const std::vector<RunOption>& run_option_table() {
        [](const RunOptions& o) { return one(o.memory_limit_mib); }},
       {"--pool-buffers", W::kEveryCommand, Out::kEverywhere, nullptr, "",
        [](CLI::App& cmd, RunOptions& o) {
-         StrategyOptions& s = o.strategy_options;
-         return cmd
-             .add_option_function<std::string>(
-                 "--pool-buffers", [&s](const std::string& v) { s.pool_buffers = v == "true"; },
-                 "FSDP: reuse the units' buffers (false: malloc/free each time)")
-             ->check(one_of({"true", "false"}))
-             ->default_str("true");
+         return true_false(cmd, "--pool-buffers", o.strategy_options.pool_buffers,
+                           "FSDP: reuse the units' buffers (false: malloc/free each time)", "true");
        },
        [](const RunOptions& o) { return one(truth(o.strategy_options.pool_buffers)); }},
       {"--threads", W::kEveryCommand, Out::kEverywhere, nullptr, "",
